@@ -1,0 +1,663 @@
+"""Cleanba PPO: actor threads step EnvPool on an actor device, a data-parallel learner trains on others.
+
+One file, read top to bottom. Design and protocol: Huang et al., "Cleanba: A Reproducible and Efficient
+Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metric glossary: README.md.
+
+    python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
+"""
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal, NamedTuple, Optional
+
+# Leave GPU memory for the actor's inference when it shares a GPU with the learner; never overwrite a
+# setting the user made (the old and new names of this variable conflict when both are set).
+if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+    os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", "0.6")
+
+import envpool
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import rlax
+import tyro
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tensorboardX import SummaryWriter
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment: environments, network initialisation and action sampling derive from it"""
+    track: bool = False
+    """sync the TensorBoard logs to Weights and Biases"""
+    wandb_project_name: str = "cleanba"
+    """the wandb project name"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team); None uses your default entity"""
+    save_model: bool = False
+    """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model"""
+    log_frequency: int = 10
+    """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
+
+    # Algorithm specific arguments
+    env_id: str = "Breakout-v5"
+    """an EnvPool id: Atari ids (e.g. Breakout-v5) use the IMPALA ResNet, vector ids (e.g. CartPole-v1) an MLP"""
+    atari_protocol: Literal["machado", "impala"] = "machado"
+    """Atari settings: Machado et al. 2018 (sticky actions) or the IMPALA paper's (life loss, 30 no-ops)"""
+    total_timesteps: int = 50_000_000
+    """total environment steps of all envs together (frames / 4 on Atari)"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    local_num_envs: int = 64
+    """the number of parallel envs of each actor thread"""
+    num_actor_threads: int = 2
+    """the number of actor threads per actor device"""
+    num_steps: int = 128
+    """the number of steps of each env per rollout"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to zero over the run"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda of the general advantage estimation"""
+    num_minibatches: int = 4
+    """the number of minibatches per epoch"""
+    gradient_accumulation_steps: int = 1
+    """split each minibatch into this many micro-batches whose gradients are summed (saves memory)"""
+    update_epochs: int = 4
+    """the number of passes over the rollout per update"""
+    norm_adv: bool = True
+    """normalise advantages with the statistics of the whole (global) minibatch"""
+    clip_coef: float = 0.1
+    """the surrogate clipping coefficient"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for gradient clipping"""
+    channels: tuple[int, ...] = (16, 32, 32)
+    """channels of the IMPALA ResNet's conv sequences"""
+    hidden_dim: int = 256
+    """width of the dense layer after the ResNet, and of the two MLP layers for vector observations"""
+
+    actor_device_ids: list[int] = field(default_factory=lambda: [0])
+    """local device ids that run the actor threads' policy inference"""
+    learner_device_ids: list[int] = field(default_factory=lambda: [0])
+    """local device ids that the learner is data-parallel over"""
+    distributed: bool = False
+    """call jax.distributed.initialize() first (several processes, e.g. under SLURM)"""
+    concurrency: bool = False
+    """overlap rollouts and updates: the actor runs one policy version behind the learner"""
+
+    # Sizes filled in at run time (paper, appendix A); not command-line flags.
+    world_size: tyro.conf.Suppress[int] = 0
+    local_rank: tyro.conf.Suppress[int] = 0
+    num_envs: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = 0
+    local_minibatch_size: tyro.conf.Suppress[int] = 0
+    batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+    num_iterations: tyro.conf.Suppress[int] = 0
+
+
+def fail(message: str):
+    """Refuse bad input before any env, thread or device work: exit status 2, no traceback."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(args: Args):
+    for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
+                 "gradient_accumulation_steps", "total_timesteps", "log_frequency", "hidden_dim"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    if args.learning_rate <= 0 or not args.channels or min(args.channels) <= 0:
+        fail("--learning-rate and every --channels entry must be positive")
+    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
+        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+            fail(f"{flag} {' '.join(map(str, ids))}: give one or more distinct, non-negative local device ids")
+    if args.local_num_envs % len(args.learner_device_ids):
+        fail(f"--local-num-envs={args.local_num_envs} is not divisible by {len(args.learner_device_ids)} learner "
+             f"devices; use a multiple of {len(args.learner_device_ids)}")
+    slots = args.num_minibatches * args.gradient_accumulation_steps
+    if args.num_steps % slots:
+        fail(f"--num-steps={args.num_steps} must be divisible by --num-minibatches x --gradient-accumulation-steps "
+             f"= {slots} (each minibatch takes the same number of time steps from every env); use a multiple of {slots}")
+    if args.env_id not in envpool.list_all_envs():
+        fail(f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, CartPole-v1)")
+
+
+def check_devices(args: Args, num_local_devices: int):
+    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
+        if max(ids) >= num_local_devices:
+            fail(f"{flag} {' '.join(map(str, ids))}: this process has {num_local_devices} local device(s), "
+                 f"ids 0..{num_local_devices - 1}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N")
+
+
+def fill_runtime_sizes(args: Args, world_size: int, local_rank: int):
+    args.world_size, args.local_rank = world_size, local_rank
+    threads = len(args.actor_device_ids) * args.num_actor_threads
+    args.num_envs = args.local_num_envs * threads * world_size
+    args.local_batch_size = args.local_num_envs * args.num_steps * threads
+    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
+    args.batch_size = args.local_batch_size * world_size
+    args.minibatch_size = args.local_minibatch_size * world_size
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations == 0:
+        fail(f"--total-timesteps={args.total_timesteps} is smaller than one batch of {args.batch_size} steps "
+             f"(num_envs={args.num_envs} x num_steps={args.num_steps}); raise it or shrink the batch")
+
+
+def is_atari(env_id: str) -> bool:
+    return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
+
+
+def env_kwargs(args: Args) -> dict:
+    if not is_atari(args.env_id):
+        return {}
+    common = dict(img_height=84, img_width=84, stack_num=4, frame_skip=4, reward_clip=True, max_episode_steps=27_000)
+    if args.atari_protocol == "machado":  # Machado et al. 2018, section 5; Cleanba paper, appendix A
+        return dict(common, repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
+    return dict(common, repeat_action_probability=0.0, full_action_space=False, episodic_life=True, noop_max=30)
+
+
+def make_env(args: Args, num_envs: int, seed: int):
+    # batch_size == num_envs keeps recv() deterministic and in env-id order (EnvPool docs, "Auto-reset").
+    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed,
+                        **env_kwargs(args))
+
+
+class ResidualBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(x))
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(y))
+        return x + y
+
+
+class ConvSequence(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.channels, (3, 3))(x)
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        return ResidualBlock(self.channels)(ResidualBlock(self.channels)(x))
+
+
+class Agent(nn.Module):
+    """IMPALA ResNet torso for images (Espeholt et al. 2018, fig. 3), two-layer MLP for vectors."""
+
+    num_actions: int
+    channels: tuple[int, ...]
+    hidden_dim: int
+
+    @nn.compact
+    def __call__(self, obs):
+        if obs.ndim == 4:  # EnvPool Atari: (batch, stack, height, width) uint8
+            x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0
+            for channels in self.channels:
+                x = ConvSequence(channels)(x)
+            x = nn.relu(x.reshape(x.shape[0], -1))
+            x = nn.relu(nn.Dense(self.hidden_dim)(x))
+        else:
+            x = obs.astype(jnp.float32)
+            for _ in range(2):
+                x = nn.tanh(nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
+        return logits, value[:, 0]
+
+
+class Rollout(NamedTuple):
+    """num_steps transitions of some envs, time-major. obs has one more row: the obs after the last step."""
+
+    obs: np.ndarray  # (T + 1, n, *obs_shape)
+    actions: np.ndarray  # (T, n)
+    logprobs: np.ndarray  # (T, n) of the actions under the actor's policy
+    rewards: np.ndarray  # (T, n)
+    terminations: np.ndarray  # (T, n) the episode ended: no bootstrap
+    truncations: np.ndarray  # (T, n) time limit: bootstrap from the final obs, stored in the next row
+    valid: np.ndarray  # (T, n) False for EnvPool's auto-reset step, whose action is ignored
+    env_ids: np.ndarray  # (n,) global env indices, for layout-invariant shuffling
+
+
+class RolloutInfo(NamedTuple):
+    """Host-side facts about a rollout, logged by the learner (the only thread that writes logs)."""
+
+    policy_version: int
+    param_queue_wait: float
+    rollout_queue_wait: float
+    rollout_time: float
+    episode_returns: list
+    episode_lengths: list
+
+
+class StopTraining(Exception):
+    """Raised in a thread that waits on a queue after the run was told to stop."""
+
+
+def queue_get(q: queue.Queue, stop: threading.Event):
+    while True:  # short timeouts so a stop (error elsewhere, Ctrl-C, end of run) is seen promptly
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if stop.is_set():
+                raise StopTraining from None
+
+
+def queue_put(q: queue.Queue, item, stop: threading.Event):
+    while True:
+        try:
+            return q.put(item, timeout=0.2)
+        except queue.Full:
+            if stop.is_set():
+                raise StopTraining from None
+
+
+def make_policy(agent: Agent, action_key):
+    @jax.jit
+    def policy(params, obs, env_ids, step):
+        logits, _ = agent.apply(params, obs)
+        # One key per (global env index, step): env n samples the same actions on every device layout.
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
+        actions = jnp.argmax(logits + gumbel, axis=1)
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=1)[:, 0]
+        return actions, logprobs
+
+    return policy
+
+
+def put_on_learners(rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
+    """Split along envs, one transfer per leaf and learner device, and assemble the global sharded arrays."""
+
+    def put(x: np.ndarray):
+        axis = 0 if x.ndim == 1 else 1
+        chunks = np.split(x, len(local_learner_devices), axis=axis)
+        shards = [jax.device_put(chunk, device) for chunk, device in zip(chunks, local_learner_devices)]
+        global_shape = list(x.shape)
+        global_shape[axis] *= mesh.size // len(local_learner_devices)  # every process adds its own envs
+        spec = P("learner") if axis == 0 else P(None, "learner")
+        return jax.make_array_from_single_device_arrays(tuple(global_shape), NamedSharding(mesh, spec), shards)
+
+    return jax.tree.map(put, rollout)
+
+
+def rollout_actor(args: Args, thread_index: int, device, mesh: Mesh, local_learner_devices: list, policy,
+                  param_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
+    first_env = thread_index * args.local_num_envs  # global env indices, the same on every layout
+    env_ids = np.arange(first_env, first_env + args.local_num_envs, dtype=np.int32)
+    envs = make_env(args, args.local_num_envs, seed=args.seed + first_env)
+    try:
+        T, n = args.num_steps, args.local_num_envs
+        env_ids_on_device = jax.device_put(env_ids, device)
+        episode_returns, episode_lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
+        envs.async_reset()
+        next_obs, _, _, _, info = envs.recv()
+        rollout_queue_wait, step = 0.0, 0
+        for iteration in range(1, args.num_iterations + 1):
+            start = time.time()
+            # One-step lag (paper, section 4): with concurrency the second rollout reuses the first params, so
+            # the actor collects d_2 with pi_1 while the learner makes pi_2 from d_1.
+            if iteration != 2 or not args.concurrency:
+                policy_version, params = queue_get(param_queue, stop)
+                params = jax.device_put(params, device)
+            param_queue_wait = time.time() - start
+            storage = Rollout(
+                obs=np.empty((T + 1, n, *next_obs.shape[1:]), next_obs.dtype),
+                actions=np.empty((T, n), np.int32), logprobs=np.empty((T, n), np.float32),
+                rewards=np.empty((T, n), np.float32), terminations=np.empty((T, n), bool),
+                truncations=np.empty((T, n), bool), valid=np.empty((T, n), bool), env_ids=env_ids)
+            finished_returns, finished_lengths = [], []
+            for t in range(T):
+                storage.obs[t] = next_obs
+                actions, logprobs = jax.device_get(policy(params, next_obs, env_ids_on_device, step))
+                envs.send(actions, info["env_id"])
+                next_obs, reward, terminated, truncated, info = envs.recv()
+                step += 1
+                storage.actions[t], storage.logprobs[t], storage.rewards[t] = actions, logprobs, reward
+                storage.terminations[t], storage.truncations[t] = terminated, truncated
+                # EnvPool resets on the step after an episode ends: that step returns the reset obs with
+                # elapsed_step 0 and reward 0, and must not be learned from (cleanrl issue 562).
+                storage.valid[t] = info["elapsed_step"] > 0
+                # Scores are raw game rewards until the real game over (not a lost life, not clipped).
+                episode_returns += info.get("reward", reward)
+                episode_lengths += storage.valid[t]
+                game_over = info.get("terminated", terminated) | truncated
+                for i in np.flatnonzero(game_over):
+                    finished_returns.append(float(episode_returns[i]))
+                    finished_lengths.append(int(episode_lengths[i]))
+                episode_returns[game_over], episode_lengths[game_over] = 0.0, 0
+            storage.obs[T] = next_obs
+            rollout = put_on_learners(storage, mesh, local_learner_devices)
+            rollout_info = RolloutInfo(policy_version, param_queue_wait, rollout_queue_wait,
+                                       time.time() - start - param_queue_wait, finished_returns, finished_lengths)
+            start = time.time()
+            queue_put(rollout_queue, (rollout, rollout_info), stop)
+            rollout_queue_wait = time.time() - start  # reported with the next rollout
+    finally:
+        envs.close()
+
+
+def compute_gae(values, rewards, terminations, truncations, gamma: float, gae_lambda: float):
+    """GAE over (T, n) arrays, values (T + 1, n). A termination does not bootstrap; a truncation bootstraps from
+    the final obs (the next row); neither lets the advantage of the auto-reset step flow back."""
+    discounts = gamma * (1.0 - terminations)
+    lambdas = gae_lambda * (1.0 - (terminations | truncations))
+    gae = jax.vmap(rlax.truncated_generalized_advantage_estimation, in_axes=1, out_axes=1)
+    advantages = gae(rewards, discounts, lambdas, values)
+    return advantages, advantages + values[:-1]
+
+
+def minibatch_time_indices(key, env_ids, num_steps: int, num_minibatches: int):
+    """(num_minibatches, num_steps // num_minibatches, n): each env's time steps, shuffled with its own key, so a
+    global minibatch holds the same samples however the envs are spread over learner devices."""
+    perms = jax.vmap(lambda i: jax.random.permutation(jax.random.fold_in(key, i), num_steps))(env_ids)
+    return perms.T.reshape(num_minibatches, num_steps // num_minibatches, -1)
+
+
+def masked_global_mean(x, mask, count):
+    """Mean over the valid samples of all learner devices (count is already the global number)."""
+    return jax.lax.psum(jnp.sum(x * mask), "learner") / count
+
+
+def ppo_loss(agent: Agent, args: Args, params, batch: dict, count):
+    obs_shape = batch["obs"].shape[2:]
+    logits, values = agent.apply(params, batch["obs"].reshape(-1, *obs_shape))
+    logits = logits.reshape(*batch["actions"].shape, -1)
+    values = values.reshape(batch["actions"].shape)
+    logp = jax.nn.log_softmax(logits)
+    newlogprobs = jnp.take_along_axis(logp, batch["actions"][..., None], axis=-1)[..., 0]
+    logratio = newlogprobs - batch["logprobs"]
+    ratio = jnp.exp(logratio)
+    advantages = batch["advantages"]
+    pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef))
+    v_loss = 0.5 * (values - batch["returns"]) ** 2
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+    # Sums over this device's valid samples divided by the global count: after the psum of the gradients this
+    # is exactly the gradient of the global minibatch mean, on any number of devices.
+    mask = batch["valid"]
+    metrics = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy,
+                   approx_kl=(ratio - 1) - logratio, clipfrac=(jnp.abs(ratio - 1) > args.clip_coef).astype(jnp.float32))
+    metrics = {k: jnp.sum(v * mask) / count for k, v in metrics.items()}
+    return metrics["loss"], metrics
+
+
+def update_minibatch(agent: Agent, args: Args, state: TrainState, batch: dict):
+    mask = batch["valid"].astype(jnp.float32)
+    count = jnp.maximum(jax.lax.psum(jnp.sum(mask), "learner"), 1.0)
+    if args.norm_adv:
+        mean = masked_global_mean(batch["advantages"], mask, count)
+        std = jnp.sqrt(masked_global_mean((batch["advantages"] - mean) ** 2, mask, count))
+        batch["advantages"] = (batch["advantages"] - mean) / (std + 1e-8)
+    batch["valid"] = mask
+    grad_fn = jax.grad(partial(ppo_loss, agent, args), has_aux=True)
+    grads, metrics = None, None
+    for micro in range(args.gradient_accumulation_steps):  # summed micro-batch gradients = minibatch gradient
+        size = batch["actions"].shape[0] // args.gradient_accumulation_steps
+        micro_batch = jax.tree.map(lambda x: x[micro * size:(micro + 1) * size], batch)
+        g, m = grad_fn(state.params, micro_batch, count)
+        grads, metrics = (g, m) if grads is None else jax.tree.map(jnp.add, (grads, metrics), (g, m))
+    grads, metrics = jax.lax.psum((grads, metrics), "learner")
+    return state.apply_gradients(grads=grads), metrics
+
+
+def ppo_update(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
+    """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
+    ro = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0 if xs[0].ndim == 1 else 1), *rollouts)
+    obs_shape = ro.obs.shape[2:]
+    _, values = agent.apply(state.params, ro.obs.reshape(-1, *obs_shape))
+    values = values.reshape(ro.obs.shape[:2])
+    advantages, returns = compute_gae(values, ro.rewards, ro.terminations, ro.truncations, args.gamma, args.gae_lambda)
+    data = dict(obs=ro.obs[:-1], actions=ro.actions, logprobs=ro.logprobs, advantages=advantages,
+                returns=returns, valid=ro.valid)
+    key = jax.random.fold_in(shuffle_key, state.step)  # state.step differs every iteration
+    indices = jnp.concatenate([
+        minibatch_time_indices(jax.random.fold_in(key, epoch), ro.env_ids, args.num_steps, args.num_minibatches)
+        for epoch in range(args.update_epochs)])
+    columns = jnp.arange(ro.env_ids.shape[0])[None, :]
+
+    def step(state, rows):
+        return update_minibatch(agent, args, state, jax.tree.map(lambda x: x[rows, columns], data))
+
+    # Unrolled on CPU: XLA:CPU runs conv gradients inside a rolled scan pathologically slowly (jax issue 12868).
+    unroll = jax.devices()[0].platform == "cpu"
+    state, metrics = jax.lax.scan(step, state, indices, unroll=unroll)
+    return state, jax.tree.map(jnp.mean, metrics)
+
+
+def make_optimizer(args: Args):
+    updates_per_iteration = args.update_epochs * args.num_minibatches
+
+    def linear_schedule(count):
+        return args.learning_rate * (1.0 - (count // updates_per_iteration) / args.num_iterations)
+
+    return optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.inject_hyperparams(optax.adam)(
+            learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
+    )
+
+
+def first_replica(tree):
+    """The learner's replicated params as arrays on one local device, for the actors and for saving."""
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+def save_model(path: Path, args: Args, params):
+    """Args and params in one msgpack file, written to a temporary file and renamed: never half-written."""
+    payload = {"args": json.dumps(asdict(args)), "params": flax.serialization.to_state_dict(jax.device_get(params))}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(flax.serialization.msgpack_serialize(payload))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_model(path: Path):
+    """Returns (args dict, params) of a file written by save_model."""
+    payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+    return json.loads(payload["args"]), payload["params"]
+
+
+def run_thread(target, stop: threading.Event, errors: list, *thread_args):
+    """Thread body: any error stops the whole run and is re-raised by the main thread."""
+    try:
+        target(*thread_args, stop)
+    except StopTraining:
+        pass
+    except BaseException as error:
+        errors.append(error)
+        stop.set()
+
+
+def format_duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def main(args: Args):
+    if args.distributed:  # before anything touches a device
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+        jax.distributed.initialize()
+    check_devices(args, len(jax.local_devices()))
+    fill_runtime_sizes(args, jax.process_count(), jax.process_index())
+    local_devices = jax.local_devices()
+    actor_devices = [local_devices[i] for i in args.actor_device_ids]
+    local_learner_devices = [local_devices[i] for i in args.learner_device_ids]
+    learner_devices = [jax.local_devices(process_index=p)[i]
+                       for p in range(args.world_size) for i in args.learner_device_ids]
+    mesh = Mesh(np.array(learner_devices), ("learner",))
+    is_writer = args.local_rank == 0
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path("runs") / run_name
+
+    writer = None
+    if is_writer:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, save_code=True)
+        writer = SummaryWriter(str(run_dir))
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                        "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+        print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
+              f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
+              f"{len(learner_devices)} device(s), logs in {run_dir}", flush=True)
+
+    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
+    agent = Agent(spec.action_space.n, tuple(args.channels), args.hidden_dim)
+    init_key, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
+    obs_example = np.zeros((1, *spec.observation_space.shape), spec.observation_space.dtype)
+    params = agent.init(init_key, obs_example)
+    state = TrainState.create(apply_fn=None, params=params, tx=make_optimizer(args))
+    state = state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+
+    rollout_spec = Rollout(*[P(None, "learner")] * 7, env_ids=P("learner"))
+    num_slots = len(actor_devices) * args.num_actor_threads
+    learner_update = jax.jit(jax.shard_map(
+        partial(ppo_update, agent, args, shuffle_key), mesh=mesh,
+        in_specs=(P(), (rollout_spec,) * num_slots), out_specs=(P(), P()),
+        # Without replication typing, gradients stay per-device until the explicit psum in update_minibatch
+        # (and rlax's scans, whose carries are unannotated, trace as they are).
+        check_vma=False))
+    policy = make_policy(agent, action_key)
+
+    stop, errors = threading.Event(), []
+    param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
+    threads = []
+    for d, device in enumerate(actor_devices):
+        for t in range(args.num_actor_threads):
+            slot = d * args.num_actor_threads + t
+            thread_index = args.local_rank * num_slots + slot
+            threads.append(threading.Thread(
+                target=run_thread, daemon=True, name=f"actor-{thread_index}",
+                args=(rollout_actor, stop, errors, args, thread_index, device, mesh, local_learner_devices, policy,
+                      param_queues[slot], rollout_queues[slot])))
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    exit_code = 0
+    try:
+        learner_version = 0
+        for q in param_queues:
+            queue_put(q, (learner_version, first_replica(state.params)), stop)
+        for thread in threads:
+            thread.start()
+        recent_returns, recent_lengths = deque(maxlen=20), deque(maxlen=20)
+        window_start, window_steps = time.time(), 0
+        for iteration in range(1, args.num_iterations + 1):
+            start = time.time()
+            items = [queue_get(q, stop) for q in rollout_queues]
+            rollout_queue_wait = time.time() - start
+            rollouts = tuple(rollout for rollout, _ in items)
+            infos = [info for _, info in items]
+            start = time.time()
+            state, metrics = learner_update(state, rollouts)
+            jax.block_until_ready(state)
+            learner_update_time = time.time() - start
+            learner_version += 1
+            # Each actor takes params before every rollout but the second (concurrency) or every rollout (sync),
+            # so the last one or two param versions would have no taker.
+            if iteration < args.num_iterations - int(args.concurrency):
+                replica = first_replica(state.params)
+                for q in param_queues:
+                    queue_put(q, (learner_version, replica), stop)
+            for info in infos:
+                recent_returns.extend(info.episode_returns)
+                recent_lengths.extend(info.episode_lengths)
+            global_step = iteration * args.batch_size
+            window_steps += args.batch_size
+            if not is_writer:
+                continue
+            stats = {
+                "actor_policy_version": min(info.policy_version for info in infos),
+                "learner_policy_version": learner_version - 1,  # the version this update trained
+                "rollout_queue_wait": rollout_queue_wait,
+                "param_queue_wait": float(np.mean([info.param_queue_wait for info in infos])),
+                "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in infos])),
+                "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
+                "learner_update_time": learner_update_time,
+            }
+            for key, value in stats.items():
+                writer.add_scalar(f"stats/{key}", value, global_step)
+            if iteration % args.log_frequency and iteration != args.num_iterations:
+                continue
+            metrics = jax.device_get(first_replica(metrics))
+            for key, value in metrics.items():
+                writer.add_scalar(f"losses/{key}", float(value), global_step)
+            sps = window_steps / (time.time() - window_start)
+            window_start, window_steps = time.time(), 0
+            learning_rate = float(jax.device_get(first_replica(state.opt_state[1].hyperparams["learning_rate"])))
+            writer.add_scalar("charts/SPS", sps, global_step)
+            writer.add_scalar("charts/learning_rate", learning_rate, global_step)
+            recent = f"{np.mean(recent_returns):.1f}" if recent_returns else "n/a"
+            if recent_returns:
+                writer.add_scalar("charts/episodic_return", np.mean(recent_returns), global_step)
+                writer.add_scalar("charts/episodic_length", np.mean(recent_lengths), global_step)
+            eta = (args.num_iterations - iteration) * args.batch_size / sps
+            print(f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
+                  f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
+                  f"lag {learner_version - 1 - stats['actor_policy_version']} | ETA {format_duration(eta)}", flush=True)
+        if args.save_model and is_writer:
+            path = run_dir / f"{args.exp_name}.cleanba_model"
+            save_model(path, args, first_replica(state.params))
+            print(f"model saved to {path}", flush=True)
+    except StopTraining:
+        pass  # an actor failed: its error is raised below
+    except KeyboardInterrupt:
+        print("interrupted, stopping", file=sys.stderr, flush=True)
+        exit_code = 130
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        if writer is not None:
+            writer.close()
+        if args.track and is_writer:
+            import wandb
+
+            wandb.finish()
+        if args.distributed:
+            jax.distributed.shutdown()
+    if errors:
+        traceback.print_exception(errors[0])
+        print(f"an actor thread failed ({type(errors[0]).__name__}); the run stopped", file=sys.stderr)
+        sys.exit(1)
+    if exit_code:
+        sys.exit(exit_code)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    main(args)

@@ -1,0 +1,53 @@
+"""Helpers shared by the tests: run a training script as a subprocess and read back what it logged."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"ppo": ROOT / "cleanba" / "cleanba_ppo.py", "impala": ROOT / "cleanba" / "cleanba_impala.py"}
+
+# Tiny settings: CartPole with a small MLP, a few iterations. Sizes are per script so that the same layouts
+# work for both (IMPALA needs local_num_envs divisible by learner devices x minibatches).
+TINY = {
+    "ppo": ["--env-id", "CartPole-v1", "--hidden-dim", "16", "--num-steps", "16", "--num-minibatches", "2",
+            "--update-epochs", "2", "--log-frequency", "1"],
+    "impala": ["--env-id", "CartPole-v1", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2",
+               "--log-frequency", "1"],
+}
+
+
+def run_script(script: str, args: list, tmp_path: Path, devices: int = 1, timeout: float = 240,
+               env: dict = None) -> subprocess.CompletedProcess:
+    """Run a training script in tmp_path with `devices` forced host CPU devices; returns the finished process."""
+    environment = dict(os.environ, **(env or {}))
+    flags = environment.get("XLA_FLAGS", "")
+    environment["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    environment.setdefault("JAX_PLATFORMS", "cpu")
+    environment["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run([sys.executable, str(SCRIPTS[script]), *map(str, args)], cwd=tmp_path, env=environment,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_dir(tmp_path: Path) -> Path:
+    (directory,) = (tmp_path / "runs").iterdir()
+    return directory
+
+
+def scalars(directory: Path) -> dict:
+    """{tag: [(step, value), ...]} of every scalar in the run's event files."""
+    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def check_ok(process: subprocess.CompletedProcess):
+    assert process.returncode == 0, f"exit {process.returncode}\n--- stdout\n{process.stdout}\n--- stderr\n{process.stderr}"
+
+
+@pytest.fixture(params=["ppo", "impala"])
+def script(request):
+    return request.param
