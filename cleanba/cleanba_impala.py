@@ -203,7 +203,8 @@ class ConvSequence(nn.Module):
 
 
 class Agent(nn.Module):
-    """IMPALA ResNet torso for images (Espeholt et al. 2018, fig. 3), two-layer MLP for vectors."""
+    """Images: IMPALA ResNet torso shared by both heads (Espeholt et al. 2018, fig. 3). Vectors: separate
+    two-layer tanh MLPs for the policy and the value, as in CleanRL's classic-control PPO."""
 
     num_actions: int
     channels: tuple[int, ...]
@@ -216,14 +217,18 @@ class Agent(nn.Module):
             for channels in self.channels:
                 x = ConvSequence(channels)(x)
             x = nn.relu(x.reshape(x.shape[0], -1))
-            x = nn.relu(nn.Dense(self.hidden_dim)(x))
+            policy_features = value_features = nn.relu(nn.Dense(self.hidden_dim)(x))
         else:
-            x = obs.astype(jnp.float32)
-            for _ in range(2):
-                x = nn.tanh(nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
-        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
+            policy_features, value_features = self.mlp(obs), self.mlp(obs)
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(policy_features)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(value_features)
         return logits, value[:, 0]
+
+    def mlp(self, obs):
+        x = obs.astype(jnp.float32)
+        for _ in range(2):
+            x = nn.tanh(nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
 
 
 class Rollout(NamedTuple):
@@ -384,13 +389,14 @@ def impala_loss(agent: Agent, args: Args, params, batch: dict, count):
     v_loss = 0.5 * vtrace.errors**2  # errors = stop_gradient(v-trace target) - value
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
-    # Sums over this device's valid samples divided by the global count: after the psum of the gradients this
-    # is exactly the gradient of the global minibatch mean, on any number of devices.
+    # The loss is a sum over the minibatch's valid samples, the scale the IMPALA paper's RMSProp epsilon and
+    # gradient clip were tuned for (as in TorchBeast); after the psum of the gradients it is the global sum, on
+    # any number of devices. The logged metrics are per-sample means (count is the global number).
     mask = batch["valid"]
     metrics = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy,
                    approx_kl=(rhos - 1) - logratio, clipped_rho_fraction=(rhos > 1.0).astype(jnp.float32))
     metrics = {k: jnp.sum(v * mask) / count for k, v in metrics.items()}
-    return metrics["loss"], metrics
+    return jnp.sum(loss * mask), metrics
 
 
 def update_minibatch(agent: Agent, args: Args, state: TrainState, batch: dict):

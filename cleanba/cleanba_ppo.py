@@ -206,7 +206,8 @@ class ConvSequence(nn.Module):
 
 
 class Agent(nn.Module):
-    """IMPALA ResNet torso for images (Espeholt et al. 2018, fig. 3), two-layer MLP for vectors."""
+    """Images: IMPALA ResNet torso shared by both heads (Espeholt et al. 2018, fig. 3). Vectors: separate
+    two-layer tanh MLPs for the policy and the value, as in CleanRL's classic-control PPO."""
 
     num_actions: int
     channels: tuple[int, ...]
@@ -219,14 +220,18 @@ class Agent(nn.Module):
             for channels in self.channels:
                 x = ConvSequence(channels)(x)
             x = nn.relu(x.reshape(x.shape[0], -1))
-            x = nn.relu(nn.Dense(self.hidden_dim)(x))
+            policy_features = value_features = nn.relu(nn.Dense(self.hidden_dim)(x))
         else:
-            x = obs.astype(jnp.float32)
-            for _ in range(2):
-                x = nn.tanh(nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
-        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(x)
-        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(x)
+            policy_features, value_features = self.mlp(obs), self.mlp(obs)
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(policy_features)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(value_features)
         return logits, value[:, 0]
+
+    def mlp(self, obs):
+        x = obs.astype(jnp.float32)
+        for _ in range(2):
+            x = nn.tanh(nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
 
 
 class Rollout(NamedTuple):
