@@ -5,6 +5,7 @@ Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metri
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
+import hashlib
 import json
 import os
 import queue
@@ -103,7 +104,15 @@ class Args:
     learner_device_ids: list[int] = field(default_factory=lambda: [0])
     """local device ids that the learner is data-parallel over"""
     distributed: bool = False
-    """call jax.distributed.initialize() first (several processes, e.g. under SLURM)"""
+    """call jax.distributed.initialize() first: several processes, e.g. one per node under SLURM"""
+    coordinator_address: Optional[str] = None
+    """with --distributed outside SLURM: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)"""
+    num_processes: Optional[int] = None
+    """with --distributed outside SLURM: the number of processes"""
+    process_id: Optional[int] = None
+    """with --distributed outside SLURM: the rank of this process, 0 .. num_processes - 1"""
+    heartbeat_timeout: int = 100
+    """with --distributed: seconds after which the others abort when a process has died"""
     concurrency: bool = False
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
 
@@ -126,7 +135,7 @@ def fail(message: str):
 
 def check_args(args: Args):
     for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
-                 "gradient_accumulation_steps", "total_timesteps", "log_frequency", "hidden_dim"]:
+                 "gradient_accumulation_steps", "total_timesteps", "log_frequency", "hidden_dim", "heartbeat_timeout"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     if args.learning_rate <= 0 or not args.channels or min(args.channels) <= 0:
@@ -141,6 +150,16 @@ def check_args(args: Args):
     if args.num_steps % slots:
         fail(f"--num-steps={args.num_steps} must be divisible by --num-minibatches x --gradient-accumulation-steps "
              f"= {slots} (each minibatch takes the same number of time steps from every env); use a multiple of {slots}")
+    explicit = {"--coordinator-address": args.coordinator_address, "--num-processes": args.num_processes,
+                "--process-id": args.process_id}
+    given = [flag for flag, value in explicit.items() if value is not None]
+    if given and not args.distributed:
+        fail(f"{' '.join(given)} only apply to multi-process runs; add --distributed")
+    if (args.num_processes is None) != (args.process_id is None):
+        fail("give --num-processes and --process-id together (or neither, under SLURM)")
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
+             f"{args.num_processes}")
     if args.env_id not in envpool.list_all_envs():
         fail(f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, CartPole-v1)")
 
@@ -508,7 +527,8 @@ def format_duration(seconds: float) -> str:
 def main(args: Args):
     if args.distributed:  # before anything touches a device
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-        jax.distributed.initialize()
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
     check_devices(args, len(jax.local_devices()))
     fill_runtime_sizes(args, jax.process_count(), jax.process_index())
     local_devices = jax.local_devices()
@@ -633,6 +653,10 @@ def main(args: Args):
             print(f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
                   f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
                   f"lag {learner_version - 1 - stats['actor_policy_version']} | ETA {format_duration(eta)}", flush=True)
+        # Every rank prints a digest of its params: the replicas must be identical after every update.
+        leaves = jax.device_get(jax.tree.leaves(first_replica(state.params)))
+        digest = hashlib.sha256(b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves)).hexdigest()
+        print(f"rank {args.local_rank}: final params sha256 {digest[:16]}", flush=True)
         if args.save_model and is_writer:
             path = run_dir / f"{args.exp_name}.cleanba_model"
             save_model(path, args, first_replica(state.params))

@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"ppo": ROOT / "cleanba" / "cleanba_ppo.py", "impala": ROOT / "cleanba" / "cleanba_impala.py"}
+
+LOSS_TAGS = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy"]
 
 # Tiny settings: CartPole with a small MLP, a few iterations. Sizes are per script so that the same layouts
 # work for both (IMPALA needs local_num_envs divisible by learner devices x minibatches).
@@ -20,9 +23,8 @@ TINY = {
 }
 
 
-def run_script(script: str, args: list, tmp_path: Path, devices: int = 1, timeout: float = 240,
-               env: dict = None) -> subprocess.CompletedProcess:
-    """Run a training script in tmp_path with `devices` forced host CPU devices; returns the finished process."""
+def script_env(devices: int = 1, env: dict = None) -> dict:
+    """The environment of a script run: `devices` forced host CPU devices, appended to the user's XLA_FLAGS."""
     environment = dict(os.environ, **(env or {}))
     flags = environment.get("XLA_FLAGS", "")
     environment["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
@@ -30,13 +32,28 @@ def run_script(script: str, args: list, tmp_path: Path, devices: int = 1, timeou
     # Runs of the same tiny programs share compiled executables across the suite (same results, less time).
     environment.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
     environment["PYTHONUNBUFFERED"] = "1"
-    return subprocess.run([sys.executable, str(SCRIPTS[script]), *map(str, args)], cwd=tmp_path, env=environment,
+    return environment
+
+
+def script_command(script: str, args: list) -> list:
+    return [sys.executable, str(SCRIPTS[script]), *map(str, args)]
+
+
+def run_script(script: str, args: list, tmp_path: Path, devices: int = 1, timeout: float = 240,
+               env: dict = None) -> subprocess.CompletedProcess:
+    """Run a training script in tmp_path and wait for it; returns the finished process."""
+    return subprocess.run(script_command(script, args), cwd=tmp_path, env=script_env(devices, env),
                           capture_output=True, text=True, timeout=timeout)
 
 
 def run_dir(tmp_path: Path) -> Path:
     (directory,) = (tmp_path / "runs").iterdir()
     return directory
+
+
+def first_losses(logged: dict, tags: list, iterations: int) -> np.ndarray:
+    """(tags, iterations) array of the first logged values of each tag."""
+    return np.array([[value for _, value in logged[tag][:iterations]] for tag in tags])
 
 
 def scalars(directory: Path) -> dict:

@@ -2,10 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import TINY, check_ok, run_dir, run_script, scalars
-
-LOSS_TAGS = {"ppo": ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy"],
-             "impala": ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy"]}
+from conftest import LOSS_TAGS, TINY, check_ok, first_losses, run_dir, run_script, scalars
 
 # Every layout runs the same 8 envs in total with the same seed, so besides training on its own it must
 # learn exactly what a0-l0 learns. name: (flags, forced host devices, local_num_envs, actor threads)
@@ -48,7 +45,7 @@ def test_layout_trains_and_logs(script, layout, concurrency, tmp_path_factory):
     assert total == ITERATIONS * 8 * (16 if script == "ppo" else 8)
     steps = [step for step, _ in logged["stats/learner_policy_version"]]
     assert steps[-1] == total and len(steps) == ITERATIONS
-    for tag in LOSS_TAGS[script] + ["charts/SPS", "charts/learning_rate", "stats/rollout_queue_wait",
+    for tag in LOSS_TAGS + ["charts/SPS", "charts/learning_rate", "stats/rollout_queue_wait",
                                     "stats/param_queue_wait", "stats/learner_update_time"]:
         values = [value for _, value in logged[tag]]
         assert len(values) == ITERATIONS and np.all(np.isfinite(values)), tag
@@ -63,33 +60,29 @@ def test_layout_trains_and_logs(script, layout, concurrency, tmp_path_factory):
     assert lag == ([0] + [1] * (ITERATIONS - 1) if concurrency else [0] * ITERATIONS)
 
 
-def first_losses(logged, script, iterations=4):
-    return np.array([[value for _, value in logged[tag][:iterations]] for tag in LOSS_TAGS[script]])
-
-
 @pytest.mark.parametrize("concurrency", [False, True], ids=["sync", "concurrent"])
 def test_layout_invariance(script, concurrency, tmp_path_factory):
     """Same seed and global sizes on every layout: the same losses, iteration by iteration."""
-    reference = first_losses(layout_run(script, "a0-l0", concurrency, tmp_path_factory)[0], script)
+    reference = first_losses(layout_run(script, "a0-l0", concurrency, tmp_path_factory)[0], LOSS_TAGS, 4)
     assert np.all(reference != 0)
     for layout in LAYOUTS:
-        losses = first_losses(layout_run(script, layout, concurrency, tmp_path_factory)[0], script)
+        losses = first_losses(layout_run(script, layout, concurrency, tmp_path_factory)[0], LOSS_TAGS, 4)
         # Relative difference below 1e-4; the absolute floor of 1e-6 is for the policy loss, a mean of
         # normalised advantages times ratios near 1, so ~1e-5 by cancellation of terms of size ~1.
         np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-6, err_msg=layout)
 
 
 def test_determinism_bitwise(script, tmp_path, tmp_path_factory):
-    first = first_losses(layout_run(script, "a0-l0", False, tmp_path_factory)[0], script, ITERATIONS)
-    second = first_losses(tiny_run(script, tmp_path, ["--no-concurrency"])[0], script, ITERATIONS)
+    first = first_losses(layout_run(script, "a0-l0", False, tmp_path_factory)[0], LOSS_TAGS, ITERATIONS)
+    second = first_losses(tiny_run(script, tmp_path, ["--no-concurrency"])[0], LOSS_TAGS, ITERATIONS)
     np.testing.assert_array_equal(first, second)
 
 
 def test_seed_changes_the_run(script, tmp_path, tmp_path_factory):
     """The invariance and determinism tests are not vacuous: another seed gives other losses."""
-    first = first_losses(layout_run(script, "a0-l0", False, tmp_path_factory)[0], script, 2)
+    first = first_losses(layout_run(script, "a0-l0", False, tmp_path_factory)[0], LOSS_TAGS, 2)
     other = first_losses(tiny_run(script, tmp_path, ["--no-concurrency", "--seed", "2"], iterations=2)[0],
-                         script, 2)
+                         LOSS_TAGS, 2)
     assert not np.allclose(first, other, rtol=1e-3)
 
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The Cleanba paper's Atari-57 experiments (arXiv 2310.00036, section 5): PPO and IMPALA, 3 seeds, on
+#   - 1 GPU + 10 CPU cores, actor and learner sharing the GPU (a0-l0-d1), and
+#   - 8 GPUs as 2 processes of 4 GPUs, actor on the first, learner on the other three (a0-l1,2,3-d2),
+# submitted as SLURM job arrays (one task per game and seed) through `python -m cleanba.launch_slurm`.
+#
+# Run from the checkout on a login node, inside the project's environment so that `python` in the jobs is
+# the project's:   python3 -m poetry run bash benchmark.sh --partition gpu --account my-account
+# Extra arguments go to every launcher call; --dry-run prints the scripts instead of submitting them.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+ATARI57=(Alien-v5 Amidar-v5 Assault-v5 Asterix-v5 Asteroids-v5 Atlantis-v5 BankHeist-v5 BattleZone-v5
+  BeamRider-v5 Berzerk-v5 Bowling-v5 Boxing-v5 Breakout-v5 Centipede-v5 ChopperCommand-v5 CrazyClimber-v5
+  Defender-v5 DemonAttack-v5 DoubleDunk-v5 Enduro-v5 FishingDerby-v5 Freeway-v5 Frostbite-v5 Gopher-v5
+  Gravitar-v5 Hero-v5 IceHockey-v5 Jamesbond-v5 Kangaroo-v5 Krull-v5 KungFuMaster-v5 MontezumaRevenge-v5
+  MsPacman-v5 NameThisGame-v5 Phoenix-v5 Pitfall-v5 Pong-v5 PrivateEye-v5 Qbert-v5 Riverraid-v5
+  RoadRunner-v5 Robotank-v5 Seaquest-v5 Skiing-v5 Solaris-v5 SpaceInvaders-v5 StarGunner-v5 Surround-v5
+  Tennis-v5 TimePilot-v5 Tutankham-v5 UpNDown-v5 Venture-v5 VideoPinball-v5 WizardOfWor-v5 YarsRevenge-v5
+  Zaxxon-v5)
+SEEDS=(1 2 3)
+
+for algo in ppo impala; do
+  python -m cleanba.launch_slurm --job-name "$algo-a0-l0-d1" --env-ids "${ATARI57[@]}" --seeds "${SEEDS[@]}" \
+    --nodes 1 --ntasks-per-node 1 --gpus-per-task 1 --cpus-per-task 10 "$@" \
+    --command "python cleanba/cleanba_$algo.py --distributed --exp-name $algo-a0-l0-d1 --actor-device-ids 0 --learner-device-ids 0 --track --save-model"
+  python -m cleanba.launch_slurm --job-name "$algo-a0-l123-d2" --env-ids "${ATARI57[@]}" --seeds "${SEEDS[@]}" \
+    --nodes 1 --ntasks-per-node 2 --gpus-per-task 4 --cpus-per-task 10 "$@" \
+    --command "python cleanba/cleanba_$algo.py --distributed --exp-name $algo-a0-l123-d2 --actor-device-ids 0 --learner-device-ids 1 2 3 --track --save-model"
+done

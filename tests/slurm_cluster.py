@@ -1,0 +1,115 @@
+"""A real single-node SLURM cluster for the tests: munged, slurmctld and slurmd from Debian's slurm-wlm and
+munge packages (.ci/run installs them), configured in a temporary directory and stopped afterwards."""
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SLURM_CONF = """\
+ClusterName=cleanba-test
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MinJobAge=600
+NodeName={host} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def munge_works() -> bool:
+    if not shutil.which("munge"):
+        return False
+    encoded = subprocess.run(["munge", "-n"], capture_output=True)
+    return encoded.returncode == 0 and subprocess.run(["unmunge"], input=encoded.stdout,
+                                                      capture_output=True).returncode == 0
+
+
+class SlurmCluster:
+    def __init__(self, root: Path):
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.daemons = []
+
+    def start(self):
+        missing = [tool for tool in ["sbatch", "slurmctld", "slurmd", "munged"] if not shutil.which(tool)]
+        if missing:
+            raise RuntimeError(f"SLURM is not installed ({', '.join(missing)} missing): "
+                               "apt-get install slurm-wlm munge, as .ci/run does")
+        if not munge_works():
+            Path("/run/munge").mkdir(exist_ok=True)
+            shutil.chown("/run/munge", "munge", "munge")
+            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+            for _ in range(50):
+                if munge_works():
+                    break
+                time.sleep(0.1)
+        for directory in ["state", "spool"]:
+            (self.root / directory).mkdir(parents=True, exist_ok=True)
+        host = socket.gethostname().split(".")[0]
+        self.conf.write_text(SLURM_CONF.format(host=host, root=self.root, cpus=os.cpu_count(),
+                                               ctld_port=free_port(), d_port=free_port()))
+        self.daemons = [subprocess.Popen([daemon, "-D", "-f", str(self.conf)], env=self.env,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        for daemon in ["slurmctld", "slurmd"]]
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
+            if state.stdout.strip() in ("idle", "mixed", "allocated"):
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"the SLURM node did not come up: {state.stdout} {state.stderr}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(path.read_text() for path in self.root.glob("*.log"))
+
+    def job_state(self, job_id: str) -> dict:
+        """Fields of `scontrol show job` for every task of the job (array tasks included)."""
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True,
+                             text=True).stdout
+        return [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in out.splitlines()]
+
+    def wait(self, job_id: str, timeout: float) -> list:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            tasks = self.job_state(job_id)
+            if tasks and all(task["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+                             for task in tasks):
+                return tasks
+            time.sleep(1)
+        raise TimeoutError(f"job {job_id} did not finish in {timeout} s: {self.job_state(job_id)}")
+
+    def stop(self):
+        for daemon in self.daemons:
+            daemon.terminate()
+        for daemon in self.daemons:
+            try:
+                daemon.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                daemon.kill()

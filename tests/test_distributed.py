@@ -1,0 +1,126 @@
+"""Two processes on 127.0.0.1 under jax.distributed with gloo collectives, each with forced host devices."""
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import LOSS_TAGS, TINY, check_ok, first_losses, run_dir, run_script, scalars, script_command, script_env
+
+ITERATIONS = 4
+LOCAL_NUM_ENVS = 4  # per process; the d1 reference runs 2 x 4 envs in one process
+LAYOUT = ["--actor-device-ids", "0", "--learner-device-ids", "1", "--num-actor-threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def steps(script):
+    return 16 if script == "ppo" else 8
+
+
+def tiny_args(script, local_num_envs, iterations=ITERATIONS, processes=2):
+    total = iterations * local_num_envs * processes * steps(script)
+    return [*TINY[script], *LAYOUT, "--local-num-envs", local_num_envs, "--total-timesteps", total], total
+
+
+def start_pair(script, tmp_path, args, explicit=True, heartbeat_timeout=100):
+    """Start ranks 0 and 1, each in its own directory; explicit flags or simulated SLURM variables."""
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        directory = tmp_path / f"rank{rank}"
+        directory.mkdir()
+        if explicit:
+            flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", rank]
+            env = {}
+        else:  # what srun sets for a 2-task step on one node; jax.distributed.initialize() detects it
+            flags = []
+            env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+                   "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_PORT": str(port)}
+        command = script_command(script, [*args, "--distributed", "--heartbeat-timeout", heartbeat_timeout, *flags])
+        processes.append(subprocess.Popen(command, cwd=directory, env=script_env(2, env), text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return processes
+
+
+def finish(processes, timeout=300):
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in processes:
+                p.kill()
+            raise
+    return outputs
+
+
+def check_pair(script, tmp_path, processes, total):
+    outputs = finish(processes)
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output
+    digests = [re.findall(r"rank (\d): final params sha256 (\w+)", output) for output in outputs]
+    assert digests[0][0][0] == "0" and digests[1][0][0] == "1"
+    assert digests[0][0][1] == digests[1][0][1], "the two ranks ended with different params"
+    assert not (tmp_path / "rank1" / "runs").exists(), "only rank 0 writes logs"
+    logged = scalars(run_dir(tmp_path / "rank0"))
+    # The global step counts the envs of both processes.
+    assert logged["stats/learner_policy_version"][-1] == (total, ITERATIONS - 1)
+    return logged
+
+
+@pytest.fixture(params=["ppo", "impala"])
+def script(request):
+    return request.param
+
+
+def test_two_processes_match_one(script, tmp_path):
+    """d2 with k envs per process: both ranks finish with identical params, only rank 0 logs, and the logged
+    losses equal those of d1 with 2k envs (layout invariance across processes)."""
+    args, total = tiny_args(script, LOCAL_NUM_ENVS)
+    logged = check_pair(script, tmp_path, start_pair(script, tmp_path, args), total)
+    (tmp_path / "d1").mkdir()
+    args, total_d1 = tiny_args(script, 2 * LOCAL_NUM_ENVS, processes=1)
+    assert total_d1 == total
+    process = run_script(script, args, tmp_path / "d1", devices=2)
+    check_ok(process)
+    reference = first_losses(scalars(run_dir(tmp_path / "d1")), LOSS_TAGS, ITERATIONS)
+    losses = first_losses(logged, LOSS_TAGS, ITERATIONS)
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_slurm_variables_autodetected(script, tmp_path):
+    """The pair started as srun would start it: jax.distributed.initialize() finds rank and size itself."""
+    args, total = tiny_args(script, LOCAL_NUM_ENVS)
+    check_pair(script, tmp_path, start_pair(script, tmp_path, args, explicit=False), total)
+
+
+def test_killed_rank_stops_the_other(tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0 exits non-zero within the heartbeat timeout plus a margin."""
+    heartbeat_timeout = 10
+    args, _ = tiny_args("ppo", LOCAL_NUM_ENVS, iterations=100_000)
+    processes = start_pair("ppo", tmp_path, args, heartbeat_timeout=heartbeat_timeout)
+    rank0, rank1 = processes
+    try:
+        output = []
+        for line in rank0.stdout:  # wait until training is under way
+            output.append(line)
+            if line.startswith("step "):
+                break
+        assert rank0.poll() is None, "".join(output)
+        rank1.send_signal(signal.SIGKILL)
+        killed = time.time()
+        rest = rank0.communicate(timeout=heartbeat_timeout + 60)[0]
+        assert time.time() - killed < heartbeat_timeout + 60
+        assert rank0.returncode != 0, "".join(output) + rest
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
