@@ -35,6 +35,7 @@ import optax
 import rlax
 import tyro
 from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tensorboardX import SummaryWriter
@@ -113,6 +114,12 @@ class Args:
     """with --distributed outside SLURM: the rank of this process, 0 .. num_processes - 1"""
     heartbeat_timeout: int = 100
     """with --distributed: seconds after which the others abort when a process has died"""
+    run_name: Optional[str] = None
+    """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
+    checkpoint_frequency: int = 0
+    """save a checkpoint every this many iterations, and when stopped by SIGINT or SIGTERM (0: never)"""
+    resume: bool = False
+    """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
     concurrency: bool = False
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
 
@@ -138,6 +145,10 @@ def check_args(args: Args):
                  "gradient_accumulation_steps", "total_timesteps", "log_frequency", "hidden_dim", "heartbeat_timeout"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    if args.checkpoint_frequency < 0:
+        fail(f"--checkpoint-frequency={args.checkpoint_frequency} must be 0 (off) or positive")
+    if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
+        fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
     if args.learning_rate <= 0 or not args.channels or min(args.channels) <= 0:
         fail("--learning-rate and every --channels entry must be positive")
     for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
@@ -328,8 +339,9 @@ def put_on_learners(rollout: Rollout, mesh: Mesh, local_learner_devices: list) -
     return jax.tree.map(put, rollout)
 
 
-def rollout_actor(args: Args, thread_index: int, device, mesh: Mesh, local_learner_devices: list, policy,
-                  param_queue: queue.Queue, rollout_queue: queue.Queue, stop: threading.Event):
+def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, mesh: Mesh,
+                  local_learner_devices: list, policy, param_queue: queue.Queue, rollout_queue: queue.Queue,
+                  stop: threading.Event):
     first_env = thread_index * args.local_num_envs  # global env indices, the same on every layout
     env_ids = np.arange(first_env, first_env + args.local_num_envs, dtype=np.int32)
     envs = make_env(args, args.local_num_envs, seed=args.seed + first_env)
@@ -339,12 +351,14 @@ def rollout_actor(args: Args, thread_index: int, device, mesh: Mesh, local_learn
         episode_returns, episode_lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
         envs.async_reset()
         next_obs, _, _, _, info = envs.recv()
-        rollout_queue_wait, step = 0.0, 0
-        for iteration in range(1, args.num_iterations + 1):
+        # The step counter keys the action sampling; a resumed run continues it (envs restart from a reset:
+        # EnvPool's state cannot be saved).
+        rollout_queue_wait, step = 0.0, (start_iteration - 1) * T
+        for iteration in range(start_iteration, args.num_iterations + 1):
             start = time.time()
             # One-step lag (paper, section 4): with concurrency the second rollout reuses the first params, so
             # the actor collects d_2 with pi_1 while the learner makes pi_2 from d_1.
-            if iteration != 2 or not args.concurrency:
+            if iteration != start_iteration + 1 or not args.concurrency:
                 policy_version, params = queue_get(param_queue, stop)
                 params = jax.device_put(params, device)
             param_queue_wait = time.time() - start
@@ -486,25 +500,79 @@ def make_optimizer(args: Args):
 
 
 def first_replica(tree):
-    """The learner's replicated params as arrays on one local device, for the actors and for saving."""
+    """The learner's replicated arrays as arrays on one local device, for the actors and for saving."""
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
-def save_model(path: Path, args: Args, params):
-    """Args and params in one msgpack file, written to a temporary file and renamed: never half-written."""
-    payload = {"args": json.dumps(asdict(args)), "params": flax.serialization.to_state_dict(jax.device_get(params))}
+def digest(tree) -> str:
+    """A short sha256 of a pytree's values, printed so that replicas and resumed states can be compared."""
+    leaves = jax.device_get(jax.tree.leaves(tree))
+    return hashlib.sha256(b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves)).hexdigest()[:16]
+
+
+def write_atomically(path: Path, payload: dict):
+    """msgpack to a temporary file, fsync, rename: the file at `path` is always a complete one (old or new)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(flax.serialization.msgpack_serialize(payload))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def save_model(path: Path, args: Args, params):
+    """Args and params in one msgpack file."""
+    write_atomically(path, {"args": json.dumps(asdict(args)),
+                            "params": flax.serialization.to_state_dict(jax.device_get(params))})
 
 
 def load_model(path: Path):
     """Returns (args dict, params) of a file written by save_model."""
     payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
     return json.loads(payload["args"]), payload["params"]
+
+
+def save_checkpoint(path: Path, args: Args, state: TrainState, iteration: int):
+    """Params, optimizer state and its step count, the iteration (which fixes the global step, the policy
+    versions and the actors' RNG counters) and the args (which fix the seeds)."""
+    train_state = flax.serialization.to_state_dict(jax.device_get(first_replica(state)))
+    write_atomically(path, {"args": json.dumps(asdict(args)), "iteration": iteration, "train_state": train_state})
+
+
+# Flags that may change on resume: they change where and how a run computes or reports, not what it learns.
+RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency",
+                     "local_num_envs", "num_actor_threads", "actor_device_ids", "learner_device_ids", "distributed",
+                     "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "run_name",
+                     "checkpoint_frequency", "resume", "world_size", "local_rank", "local_batch_size",
+                     "local_minibatch_size"}
+
+
+def load_checkpoint(path: Path, args: Args, state: TrainState):
+    """Returns (iteration, state) of a checkpoint, refusing one whose hyperparameters differ from args."""
+    payload = flax.serialization.msgpack_restore(path.read_bytes())
+    saved, current = json.loads(payload["args"]), json.loads(json.dumps(asdict(args)))
+    conflicts = [f"{key}={saved[key]} (now {current[key]})" for key in saved
+                 if key not in RESUME_MAY_CHANGE and saved[key] != current.get(key)]
+    if conflicts:
+        fail(f"--resume: the checkpoint {path} was trained with {', '.join(conflicts)}; resume with the same "
+             f"hyperparameters and global sizes, or start a new run with another --run-name")
+    restored = flax.serialization.from_state_dict(jax.device_get(first_replica(state)), payload["train_state"])
+    return payload["iteration"], restored
+
+
+def default_run_name(args: Args) -> str:
+    """Deterministic under SLURM, so that a requeued job finds its checkpoint; the start time otherwise."""
+    name = f"{args.env_id}__{args.exp_name}__{args.seed}"
+    if "SLURM_ARRAY_JOB_ID" in os.environ:
+        return f"{name}__{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if "SLURM_JOB_ID" in os.environ:
+        return f"{name}__{os.environ['SLURM_JOB_ID']}"
+    return f"{name}__{int(time.time())}"
 
 
 def run_thread(target, stop: threading.Event, errors: list, *thread_args):
@@ -524,6 +592,54 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
+class IterationLogger:
+    """Writes stats/ every iteration, and charts/, losses/ and the console line every log_frequency."""
+
+    def __init__(self, args: Args, writer: SummaryWriter):
+        self.args, self.writer = args, writer
+        self.recent_returns, self.recent_lengths = deque(maxlen=20), deque(maxlen=20)
+        self.window_start, self.window_steps = time.time(), 0
+
+    def log(self, iteration: int, infos: list, rollout_queue_wait: float, learner_update_time: float,
+            state: TrainState, metrics: dict):
+        args, writer = self.args, self.writer
+        for info in infos:
+            self.recent_returns.extend(info.episode_returns)
+            self.recent_lengths.extend(info.episode_lengths)
+        global_step = iteration * args.batch_size
+        self.window_steps += args.batch_size
+        stats = {
+            "actor_policy_version": min(info.policy_version for info in infos),
+            "learner_policy_version": iteration - 1,  # the version this update trained
+            "rollout_queue_wait": rollout_queue_wait,
+            "param_queue_wait": float(np.mean([info.param_queue_wait for info in infos])),
+            "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in infos])),
+            "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
+            "learner_update_time": learner_update_time,
+        }
+        for key, value in stats.items():
+            writer.add_scalar(f"stats/{key}", value, global_step)
+        if iteration % args.log_frequency and iteration != args.num_iterations:
+            return
+        for key, value in jax.device_get(first_replica(metrics)).items():
+            writer.add_scalar(f"losses/{key}", float(value), global_step)
+        sps = self.window_steps / (time.time() - self.window_start)
+        self.window_start, self.window_steps = time.time(), 0
+        learning_rate = jax.device_get(first_replica(state.opt_state[1].hyperparams["learning_rate"]))
+        writer.add_scalar("charts/SPS", sps, global_step)
+        writer.add_scalar("charts/learning_rate", float(learning_rate), global_step)
+        recent = "n/a"
+        if self.recent_returns:
+            recent = f"{np.mean(self.recent_returns):.1f}"
+            writer.add_scalar("charts/episodic_return", np.mean(self.recent_returns), global_step)
+            writer.add_scalar("charts/episodic_length", np.mean(self.recent_lengths), global_step)
+        eta = (args.num_iterations - iteration) * args.batch_size / sps
+        print(f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
+              f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
+              f"lag {stats['learner_policy_version'] - stats['actor_policy_version']} | "
+              f"ETA {format_duration(eta)}", flush=True)
+
+
 def main(args: Args):
     if args.distributed:  # before anything touches a device
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
@@ -538,22 +654,14 @@ def main(args: Args):
                        for p in range(args.world_size) for i in args.learner_device_ids]
     mesh = Mesh(np.array(learner_devices), ("learner",))
     is_writer = args.local_rank == 0
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = args.run_name or default_run_name(args)
     run_dir = Path("runs") / run_name
-
-    writer = None
-    if is_writer:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, save_code=True)
-        writer = SummaryWriter(str(run_dir))
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                        "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
-        print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
-              f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
-              f"{len(learner_devices)} device(s), logs in {run_dir}", flush=True)
+    checkpoint_path = run_dir / "checkpoint.msgpack"
+    # A requeued SLURM job resumes by itself (SLURM_RESTART_COUNT counts the requeues).
+    resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and checkpoint_path.exists())
+    if resume and not checkpoint_path.exists():
+        fail(f"--resume: no checkpoint at {checkpoint_path}; give the --run-name of a run that saved one "
+             f"(--checkpoint-frequency)")
 
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
     agent = Agent(spec.action_space.n, tuple(args.channels), args.hidden_dim)
@@ -563,6 +671,29 @@ def main(args: Args):
     state = TrainState.create(apply_fn=None, params=params, tx=make_optimizer(args))
     state = state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
     state = jax.device_put(state, NamedSharding(mesh, P()))
+    start_iteration = 1
+    if resume:
+        completed, restored = load_checkpoint(checkpoint_path, args, state)
+        state, start_iteration = jax.device_put(restored, NamedSharding(mesh, P())), completed + 1
+        print(f"rank {args.local_rank}: resumed {checkpoint_path} at iteration {completed} (global step "
+              f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
+              f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}", flush=True)
+
+    writer = None
+    if is_writer:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, id=run_name, resume="allow", save_code=True)
+        # On resume, drop what the stopped run logged after its checkpoint: the curves continue from there.
+        purge_step = (start_iteration - 1) * args.batch_size + 1 if resume else None
+        writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                        "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+        print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
+              f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
+              f"{len(learner_devices)} device(s), logs in {run_dir}", flush=True)
 
     rollout_spec = Rollout(*[P(None, "learner")] * 7, env_ids=P("learner"))
     num_slots = len(actor_devices) * args.num_actor_threads
@@ -574,7 +705,7 @@ def main(args: Args):
         check_vma=False))
     policy = make_policy(agent, action_key)
 
-    stop, errors = threading.Event(), []
+    stop, errors, stop_signals = threading.Event(), [], []
     param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
     rollout_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
     threads = []
@@ -584,92 +715,66 @@ def main(args: Args):
             thread_index = args.local_rank * num_slots + slot
             threads.append(threading.Thread(
                 target=run_thread, daemon=True, name=f"actor-{thread_index}",
-                args=(rollout_actor, stop, errors, args, thread_index, device, mesh, local_learner_devices, policy,
-                      param_queues[slot], rollout_queues[slot])))
+                args=(rollout_actor, stop, errors, args, start_iteration, thread_index, device, mesh,
+                      local_learner_devices, policy, param_queues[slot], rollout_queues[slot])))
 
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+    def on_signal(signum, frame):  # stop at the next queue wait or iteration boundary, checkpoint, exit
+        stop_signals.append(signum)
+        stop.set()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    exit_code = 0
+    signal.signal(signal.SIGINT, on_signal)
+    if not args.distributed:  # under jax.distributed, SIGTERM goes to JAX's preemption sync point (below)
+        signal.signal(signal.SIGTERM, on_signal)
+    completed = start_iteration - 1  # the last iteration whose update is in `state`
     try:
-        learner_version = 0
+        learner_version = completed
         for q in param_queues:
             queue_put(q, (learner_version, first_replica(state.params)), stop)
         for thread in threads:
             thread.start()
-        recent_returns, recent_lengths = deque(maxlen=20), deque(maxlen=20)
-        window_start, window_steps = time.time(), 0
-        for iteration in range(1, args.num_iterations + 1):
+        logger = IterationLogger(args, writer)
+        for iteration in range(start_iteration, args.num_iterations + 1):
             start = time.time()
             items = [queue_get(q, stop) for q in rollout_queues]
             rollout_queue_wait = time.time() - start
-            rollouts = tuple(rollout for rollout, _ in items)
-            infos = [info for _, info in items]
             start = time.time()
-            state, metrics = learner_update(state, rollouts)
+            state, metrics = learner_update(state, tuple(rollout for rollout, _ in items))
             jax.block_until_ready(state)
             learner_update_time = time.time() - start
-            learner_version += 1
+            completed = learner_version = iteration
             # Each actor takes params before every rollout but the second (concurrency) or every rollout (sync),
             # so the last one or two param versions would have no taker.
             if iteration < args.num_iterations - int(args.concurrency):
                 replica = first_replica(state.params)
                 for q in param_queues:
                     queue_put(q, (learner_version, replica), stop)
-            for info in infos:
-                recent_returns.extend(info.episode_returns)
-                recent_lengths.extend(info.episode_lengths)
-            global_step = iteration * args.batch_size
-            window_steps += args.batch_size
-            if not is_writer:
-                continue
-            stats = {
-                "actor_policy_version": min(info.policy_version for info in infos),
-                "learner_policy_version": learner_version - 1,  # the version this update trained
-                "rollout_queue_wait": rollout_queue_wait,
-                "param_queue_wait": float(np.mean([info.param_queue_wait for info in infos])),
-                "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in infos])),
-                "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
-                "learner_update_time": learner_update_time,
-            }
-            for key, value in stats.items():
-                writer.add_scalar(f"stats/{key}", value, global_step)
-            if iteration % args.log_frequency and iteration != args.num_iterations:
-                continue
-            metrics = jax.device_get(first_replica(metrics))
-            for key, value in metrics.items():
-                writer.add_scalar(f"losses/{key}", float(value), global_step)
-            sps = window_steps / (time.time() - window_start)
-            window_start, window_steps = time.time(), 0
-            learning_rate = float(jax.device_get(first_replica(state.opt_state[1].hyperparams["learning_rate"])))
-            writer.add_scalar("charts/SPS", sps, global_step)
-            writer.add_scalar("charts/learning_rate", learning_rate, global_step)
-            recent = f"{np.mean(recent_returns):.1f}" if recent_returns else "n/a"
-            if recent_returns:
-                writer.add_scalar("charts/episodic_return", np.mean(recent_returns), global_step)
-                writer.add_scalar("charts/episodic_length", np.mean(recent_lengths), global_step)
-            eta = (args.num_iterations - iteration) * args.batch_size / sps
-            print(f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
-                  f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
-                  f"lag {learner_version - 1 - stats['actor_policy_version']} | ETA {format_duration(eta)}", flush=True)
-        # Every rank prints a digest of its params: the replicas must be identical after every update.
-        leaves = jax.device_get(jax.tree.leaves(first_replica(state.params)))
-        digest = hashlib.sha256(b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves)).hexdigest()
-        print(f"rank {args.local_rank}: final params sha256 {digest[:16]}", flush=True)
+            if is_writer:
+                logger.log(iteration, [info for _, info in items], rollout_queue_wait, learner_update_time,
+                           state, metrics)
+                if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
+                    save_checkpoint(checkpoint_path, args, state, iteration)
+            # All processes see a SIGTERM (e.g. SLURM preemption) at the same iteration and stop together.
+            if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
+                stop_signals.append(signal.SIGTERM)
+                break
+            if stop.is_set():
+                raise StopTraining
+        print(f"rank {args.local_rank}: final params sha256 {digest(first_replica(state.params))}", flush=True)
         if args.save_model and is_writer:
             path = run_dir / f"{args.exp_name}.cleanba_model"
             save_model(path, args, first_replica(state.params))
             print(f"model saved to {path}", flush=True)
     except StopTraining:
-        pass  # an actor failed: its error is raised below
-    except KeyboardInterrupt:
-        print("interrupted, stopping", file=sys.stderr, flush=True)
-        exit_code = 130
+        pass  # a signal, or an actor failed: handled below
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=30)
+        if any(thread.is_alive() for thread in threads):
+            print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
+        if stop_signals and not errors and is_writer and args.checkpoint_frequency and completed >= start_iteration:
+            save_checkpoint(checkpoint_path, args, state, completed)
+            print(f"checkpoint of iteration {completed} saved to {checkpoint_path}", flush=True)
         if writer is not None:
             writer.close()
         if args.track and is_writer:
@@ -682,8 +787,9 @@ def main(args: Args):
         traceback.print_exception(errors[0])
         print(f"an actor thread failed ({type(errors[0]).__name__}); the run stopped", file=sys.stderr)
         sys.exit(1)
-    if exit_code:
-        sys.exit(exit_code)
+    if stop_signals:
+        print(f"stopped by signal {stop_signals[0]} after iteration {completed}", file=sys.stderr)
+        sys.exit(128 + stop_signals[0])
 
 
 if __name__ == "__main__":

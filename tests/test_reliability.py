@@ -1,0 +1,199 @@
+"""Faults, signals, checkpoints and resume. Every wait is bounded, so a hang fails a test instead of CI."""
+import importlib
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import flax
+import jax
+import numpy as np
+import pytest
+
+from conftest import SCRIPTS, TINY, check_ok, run_dir, run_script, scalars, script_command, script_env
+from test_distributed import start_pair
+
+# Runs a training script with EnvPool's recv() failing on its 40th call in every actor thread: a real error in
+# the actor, injected from outside the script.
+FAULTY_ENVPOOL = """
+import runpy, sys, envpool
+make = envpool.make
+class FaultyEnv:
+    def __init__(self, env):
+        self.env, self.calls = env, 0
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+    def recv(self):
+        self.calls += 1
+        if self.calls == 40:
+            raise RuntimeError("injected actor fault")
+        return self.env.recv()
+envpool.make = lambda *args, **kwargs: FaultyEnv(make(*args, **kwargs))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def long_args(script, iterations=100_000):
+    steps = 16 if script == "ppo" else 8
+    return [*TINY[script], "--local-num-envs", 8, "--num-actor-threads", 1, "--total-timesteps",
+            iterations * 8 * steps]
+
+
+def start(script, args, cwd, devices=1):
+    return subprocess.Popen(script_command(script, args), cwd=cwd, env=script_env(devices), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for_training(process) -> list:
+    """Read output until the first progress line (training is under way)."""
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("step "):
+            return lines
+    raise AssertionError("the run ended before training started:\n" + "".join(lines))
+
+
+def stop_and_wait(process, signum, timeout=30) -> str:
+    process.send_signal(signum)
+    sent = time.time()
+    try:
+        output = process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError(f"still running {timeout} s after signal {signum}")
+    assert time.time() - sent < timeout
+    return output
+
+
+def load_checkpoint_file(path):
+    payload = flax.serialization.msgpack_restore(path.read_bytes())
+    return payload
+
+
+def test_actor_fault_ends_the_run(script, tmp_path):
+    start_time = time.time()
+    command = [sys.executable, "-c", FAULTY_ENVPOOL, str(SCRIPTS[script]), *map(str, long_args(script))]
+    process = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert process.returncode == 1, process.stdout + process.stderr
+    assert "Traceback" in process.stderr and "RuntimeError: injected actor fault" in process.stderr
+    assert "an actor thread failed" in process.stderr
+    assert "did not stop" not in process.stderr
+    assert time.time() - start_time < 60  # startup and compilation included; the stop itself is prompt
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
+    process = start(script, [*long_args(script), "--checkpoint-frequency", 10_000, "--run-name", "sig"], tmp_path)
+    wait_for_training(process)
+    output = stop_and_wait(process, signum)
+    assert process.returncode == 128 + signum, output
+    completed = int(re.search(r"stopped by signal \d+ after iteration (\d+)", output).group(1))
+    payload = load_checkpoint_file(tmp_path / "runs" / "sig" / "checkpoint.msgpack")
+    assert payload["iteration"] == completed >= 1
+    assert not list((tmp_path / "runs" / "sig").glob("*.tmp"))
+
+
+def test_distributed_sigterm_stops_all_ranks_at_one_iteration(tmp_path):
+    """Under jax.distributed, SIGTERM goes through JAX's preemption sync point: both ranks stop together."""
+    args = [*long_args("ppo"), "--actor-device-ids", 0, "--learner-device-ids", 1, "--local-num-envs", 4,
+            "--checkpoint-frequency", 10_000, "--run-name", "sig"]
+    processes = start_pair("ppo", tmp_path, args)
+    try:
+        wait_for_training(processes[0])
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        outputs = [process.communicate(timeout=30)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    stopped = [re.search(r"stopped by signal 15 after iteration (\d+)", output) for output in outputs]
+    assert all(stopped), outputs
+    assert [p.returncode for p in processes] == [143, 143]
+    assert stopped[0].group(1) == stopped[1].group(1)
+    payload = load_checkpoint_file(tmp_path / "rank0" / "runs" / "sig" / "checkpoint.msgpack")
+    assert payload["iteration"] == int(stopped[0].group(1))
+    assert not (tmp_path / "rank1" / "runs").exists()
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    module = importlib.import_module("cleanba.cleanba_ppo")
+    path = tmp_path / "checkpoint.msgpack"
+    module.write_atomically(path, {"iteration": 1, "data": np.arange(1000)})
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(module.os, "fsync", broken_fsync)
+    with pytest.raises(OSError):
+        module.write_atomically(path, {"iteration": 2, "data": np.arange(1000) * 2})
+    payload = flax.serialization.msgpack_restore(path.read_bytes())
+    assert payload["iteration"] == 1 and np.array_equal(payload["data"], np.arange(1000))
+
+
+def test_kill_during_checkpointing_leaves_a_readable_checkpoint(tmp_path):
+    """kill -9 at arbitrary moments of a run that checkpoints every iteration: the checkpoint always loads."""
+    path = tmp_path / "runs" / "kill" / "checkpoint.msgpack"
+    for delay in [0.0, 0.05, 0.13]:
+        process = start("ppo", [*long_args("ppo"), "--checkpoint-frequency", 1, "--run-name", "kill",
+                                "--hidden-dim", 256], tmp_path)
+        wait_for_training(process)
+        deadline = time.time() + 30
+        while not path.exists() and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(delay)  # then kill somewhere in the following saves (one per iteration)
+        process.kill()
+        process.wait(timeout=30)
+        payload = load_checkpoint_file(path)
+        assert payload["iteration"] >= 1
+        path.unlink()
+
+
+def test_resume_continues_the_run(script, tmp_path):
+    module = importlib.import_module(f"cleanba.cleanba_{script}")
+    iterations = 120
+    args = [*long_args(script, iterations), "--checkpoint-frequency", 7, "--run-name", "resume"]
+    process = start(script, args, tmp_path)
+    wait_for_training(process)
+    stop_and_wait(process, signal.SIGTERM)
+    assert process.returncode == 143
+    payload = load_checkpoint_file(tmp_path / "runs" / "resume" / "checkpoint.msgpack")
+    saved_iteration = payload["iteration"]
+    assert 1 <= saved_iteration < iterations
+
+    # Changing a hyperparameter is refused; the same command resumes.
+    conflict = run_script(script, [*args, "--resume", "--learning-rate", 1e-3], tmp_path)
+    assert conflict.returncode == 2 and "learning_rate=" in conflict.stderr and "Traceback" not in conflict.stderr
+    resumed = run_script(script, [*args, "--resume"], tmp_path)
+    check_ok(resumed)
+
+    # The state at resume is the saved one.
+    saved_args = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(payload["args"]).items()}
+    run_args = module.Args(**saved_args)
+    agent = module.Agent(2, run_args.channels, run_args.hidden_dim)
+    template = module.TrainState.create(apply_fn=None, params=agent.init(jax.random.key(0), np.zeros((1, 4))),
+                                        tx=module.make_optimizer(run_args))
+    restored = flax.serialization.from_state_dict(template, payload["train_state"])
+    line = re.search(r"resumed .* at iteration (\d+) \(global step (\d+)\): params sha256 (\w+), opt_state "
+                     r"sha256 (\w+), optimizer step (\d+)", resumed.stdout)
+    assert line, resumed.stdout
+    assert int(line.group(1)) == saved_iteration
+    assert int(line.group(2)) == saved_iteration * run_args.batch_size
+    assert line.group(3) == module.digest(restored.params)
+    assert line.group(4) == module.digest(restored.opt_state)
+    updates_per_iteration = int(restored.step) // saved_iteration
+    assert int(line.group(5)) == saved_iteration * updates_per_iteration
+
+    # The curves continue: every iteration logged exactly once, the learning rate on its schedule.
+    logged = scalars(run_dir(tmp_path))
+    steps = [step for step, _ in logged["stats/learner_policy_version"]]
+    assert steps == [i * run_args.batch_size for i in range(1, iterations + 1)]
+    versions = [value for _, value in logged["stats/learner_policy_version"]]
+    assert versions == list(range(iterations))
+    learning_rates = dict(logged["charts/learning_rate"])
+    after = (saved_iteration + 1) * run_args.batch_size
+    expected = run_args.learning_rate * (1 - saved_iteration / iterations)  # what iteration K + 1 used
+    assert learning_rates[after] == pytest.approx(expected, rel=1e-5)
