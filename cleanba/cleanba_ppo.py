@@ -5,6 +5,7 @@ Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metri
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
+import faulthandler
 import hashlib
 import json
 import os
@@ -114,6 +115,8 @@ class Args:
     """with --distributed outside SLURM: the rank of this process, 0 .. num_processes - 1"""
     heartbeat_timeout: int = 100
     """with --distributed: seconds after which the others abort when a process has died"""
+    stall_timeout: int = 0
+    """abort when no iteration completes for this many seconds, e.g. a peer process is stuck (0: never)"""
     run_name: Optional[str] = None
     """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
     checkpoint_frequency: int = 0
@@ -145,8 +148,9 @@ def check_args(args: Args):
                  "gradient_accumulation_steps", "total_timesteps", "log_frequency", "hidden_dim", "heartbeat_timeout"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
-    if args.checkpoint_frequency < 0:
-        fail(f"--checkpoint-frequency={args.checkpoint_frequency} must be 0 (off) or positive")
+    for name in ["checkpoint_frequency", "stall_timeout"]:
+        if getattr(args, name) < 0:
+            fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be 0 (off) or positive")
     if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
         fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
     if args.learning_rate <= 0 or not args.channels or min(args.channels) <= 0:
@@ -586,6 +590,16 @@ def run_thread(target, stop: threading.Event, errors: list, *thread_args):
         stop.set()
 
 
+def watch_progress(last_progress: list, timeout: float, stop: threading.Event):
+    """JAX does not detect a peer that is alive but stuck (e.g. in a collective): abort instead of hanging."""
+    while not stop.wait(1.0):
+        if time.time() - last_progress[0] > timeout:
+            print(f"error: no iteration completed in {timeout} s (--stall-timeout); a process or device is stuck. "
+                  "Stacks:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(1)  # the main thread is blocked: no orderly shutdown is possible
+
+
 def format_duration(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -732,6 +746,10 @@ def main(args: Args):
             queue_put(q, (learner_version, first_replica(state.params)), stop)
         for thread in threads:
             thread.start()
+        last_progress = [time.time()]
+        if args.stall_timeout:
+            threading.Thread(target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True,
+                             name="watchdog").start()
         logger = IterationLogger(args, writer)
         for iteration in range(start_iteration, args.num_iterations + 1):
             start = time.time()
@@ -742,6 +760,7 @@ def main(args: Args):
             jax.block_until_ready(state)
             learner_update_time = time.time() - start
             completed = learner_version = iteration
+            last_progress[0] = time.time()
             # Each actor takes params before every rollout but the second (concurrency) or every rollout (sync),
             # so the last one or two param versions would have no taker.
             if iteration < args.num_iterations - int(args.concurrency):

@@ -124,3 +124,24 @@ def test_killed_rank_stops_the_other(tmp_path):
         for process in processes:
             process.kill()
             process.wait()
+
+
+def test_stuck_rank_stops_the_other(tmp_path):
+    """SIGSTOP of rank 1 (alive but stuck, which JAX does not detect): rank 0 aborts after --stall-timeout."""
+    stall_timeout = 20
+    args, _ = tiny_args("ppo", LOCAL_NUM_ENVS, iterations=100_000)
+    processes = start_pair("ppo", tmp_path, [*args, "--stall-timeout", stall_timeout])
+    rank0, rank1 = processes
+    try:
+        for line in rank0.stdout:
+            if line.startswith("step "):
+                break
+        rank1.send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        rest = rank0.communicate(timeout=stall_timeout + 60)[0]
+        assert time.time() - stopped < stall_timeout + 60
+        assert rank0.returncode == 1 and "--stall-timeout" in rest, rest
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
