@@ -1,5 +1,6 @@
 """Helpers shared by the tests: run a training script as a subprocess and read back what it logged."""
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,32 @@ def run_script(script: str, args: list, tmp_path: Path, devices: int = 1, timeou
                           capture_output=True, text=True, timeout=timeout)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pair(script, tmp_path, args, explicit=True, heartbeat_timeout=100):
+    """Start ranks 0 and 1, each in its own directory; explicit flags or simulated SLURM variables."""
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        directory = tmp_path / f"rank{rank}"
+        directory.mkdir()
+        if explicit:
+            flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", rank]
+            env = {}
+        else:  # what srun sets for a 2-task step on one node; jax.distributed.initialize() detects it
+            flags = []
+            env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+                   "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_PORT": str(port)}
+        command = script_command(script, [*args, "--distributed", "--heartbeat-timeout", heartbeat_timeout, *flags])
+        processes.append(subprocess.Popen(command, cwd=directory, env=script_env(2, env), text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return processes
+
+
 def run_dir(tmp_path: Path) -> Path:
     (directory,) = (tmp_path / "runs").iterdir()
     return directory
@@ -64,7 +91,8 @@ def scalars(directory: Path) -> dict:
 
 
 def check_ok(process: subprocess.CompletedProcess):
-    assert process.returncode == 0, f"exit {process.returncode}\n--- stdout\n{process.stdout}\n--- stderr\n{process.stderr}"
+    output = f"--- stdout\n{process.stdout}\n--- stderr\n{process.stderr}"
+    assert process.returncode == 0, f"exit {process.returncode}\n{output}"
 
 
 @pytest.fixture(params=["ppo", "impala"])

@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from conftest import free_port
+
 SLURM_CONF = """\
 ClusterName=cleanba-test
 SlurmctldHost={host}
@@ -34,12 +36,6 @@ MinJobAge=600
 NodeName={host} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def munge_works() -> bool:

@@ -1,24 +1,17 @@
 """Two processes on 127.0.0.1 under jax.distributed with gloo collectives, each with forced host devices."""
 import re
 import signal
-import socket
 import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from conftest import LOSS_TAGS, TINY, check_ok, first_losses, run_dir, run_script, scalars, script_command, script_env
+from conftest import LOSS_TAGS, TINY, check_ok, first_losses, run_dir, run_script, scalars, start_pair
 
 ITERATIONS = 4
 LOCAL_NUM_ENVS = 4  # per process; the d1 reference runs 2 x 4 envs in one process
 LAYOUT = ["--actor-device-ids", "0", "--learner-device-ids", "1", "--num-actor-threads", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def steps(script):
@@ -28,26 +21,6 @@ def steps(script):
 def tiny_args(script, local_num_envs, iterations=ITERATIONS, processes=2):
     total = iterations * local_num_envs * processes * steps(script)
     return [*TINY[script], *LAYOUT, "--local-num-envs", local_num_envs, "--total-timesteps", total], total
-
-
-def start_pair(script, tmp_path, args, explicit=True, heartbeat_timeout=100):
-    """Start ranks 0 and 1, each in its own directory; explicit flags or simulated SLURM variables."""
-    port = free_port()
-    processes = []
-    for rank in range(2):
-        directory = tmp_path / f"rank{rank}"
-        directory.mkdir()
-        if explicit:
-            flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", rank]
-            env = {}
-        else:  # what srun sets for a 2-task step on one node; jax.distributed.initialize() detects it
-            flags = []
-            env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
-                   "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_PORT": str(port)}
-        command = script_command(script, [*args, "--distributed", "--heartbeat-timeout", heartbeat_timeout, *flags])
-        processes.append(subprocess.Popen(command, cwd=directory, env=script_env(2, env), text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    return processes
 
 
 def finish(processes, timeout=300):

@@ -12,8 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, TINY, check_ok, run_dir, run_script, scalars, script_command, script_env
-from test_distributed import start_pair
+from conftest import SCRIPTS, TINY, check_ok, run_dir, run_script, scalars, script_command, script_env, start_pair
 
 # Runs a training script with EnvPool's recv() failing on its 40th call in every actor thread: a real error in
 # the actor, injected from outside the script.

@@ -33,7 +33,8 @@ def layout_run(script, layout, concurrency, tmp_path_factory):
     if key not in _layout_runs:
         flags, devices, local_num_envs, threads = LAYOUTS[layout]
         directory = tmp_path_factory.mktemp(f"{script}-{layout}-{concurrency}")
-        _layout_runs[key] = tiny_run(script, directory, [*flags, "--concurrency" if concurrency else "--no-concurrency"], devices,
+        flags = [*flags, "--concurrency" if concurrency else "--no-concurrency"]
+        _layout_runs[key] = tiny_run(script, directory, flags, devices,
                                      local_num_envs=local_num_envs, threads=threads)
     return _layout_runs[key]
 
@@ -90,7 +91,8 @@ def test_seed_changes_the_run(script, tmp_path, tmp_path_factory):
 def test_many_iterations_multi_device(script, concurrency, tmp_path):
     """Hundreds of iterations with actor and learner threads on forced CPU devices finish: no collective deadlock."""
     flags, devices, local_num_envs, threads = LAYOUTS["a0,1-l1,2"]
-    logged, total = tiny_run(script, tmp_path, [*flags, "--concurrency" if concurrency else "--no-concurrency", "--log-frequency", "50"],
+    flags = [*flags, "--concurrency" if concurrency else "--no-concurrency", "--log-frequency", "50"]
+    logged, total = tiny_run(script, tmp_path, flags,
                              devices, iterations=300, local_num_envs=local_num_envs, threads=2, num_envs=16)
     assert logged["stats/learner_policy_version"][-1] == (total, 299)
 
