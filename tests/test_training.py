@@ -22,7 +22,7 @@ def tiny_run(script, tmp_path, flags, devices=1, iterations=ITERATIONS, local_nu
     steps = 16 if script == "ppo" else 8
     args = [*TINY[script], "--local-num-envs", local_num_envs, "--num-actor-threads", threads,
             "--total-timesteps", iterations * num_envs * steps, *flags]
-    process = run_script(script, args, tmp_path, devices=devices)
+    process = run_script(script, args, tmp_path, devices=devices, env={"WANDB_MODE": "offline"})
     check_ok(process)
     return scalars(run_dir(tmp_path)), iterations * num_envs * steps
 
@@ -138,3 +138,14 @@ def test_learns_cartpole(script, tmp_path):
     check_ok(process)
     returns = [value for _, value in scalars(run_dir(tmp_path))["charts/episodic_return"]]
     assert max(returns) >= target, returns
+
+
+def test_track_syncs_to_wandb_offline(tmp_path):
+    """--track: wandb (offline here, no network) receives the TensorBoard scalars under the run's name."""
+    _, total = tiny_run("ppo", tmp_path, ["--track", "--wandb-project-name", "cleanba-tests"], iterations=2)
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    name = run_dir(tmp_path).name
+    assert run.name.endswith(name)
+    records = (run / f"run-{name}.wandb").read_bytes()
+    for tag in [b"losses/loss", b"charts/SPS", b"stats/learner_policy_version"]:
+        assert tag in records, tag
