@@ -718,8 +718,16 @@ def main(args: Args):
         stop_signals.append(signum)
         stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    if not args.distributed:  # under jax.distributed, SIGTERM goes to JAX's preemption sync point (below)
+    def on_signal_distributed(signum, frame):
+        # Processes must stop after the same iteration, or one would wait forever in a collective: hand the
+        # signal to JAX's preemption notifier (SIGTERM), whose sync point below all processes reach together.
+        stop_signals.append(signum)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if args.distributed:  # JAX's notifier already holds SIGTERM
+        signal.signal(signal.SIGINT, on_signal_distributed)
+    else:
+        signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
     completed = start_iteration - 1  # the last iteration whose update is in `state`
     try:

@@ -81,7 +81,7 @@ def test_actor_fault_ends_the_run(script, tmp_path):
     assert "Traceback" in process.stderr and "RuntimeError: injected actor fault" in process.stderr
     assert "an actor thread failed" in process.stderr
     assert "did not stop" not in process.stderr
-    assert time.time() - start_time < 60  # startup and compilation included; the stop itself is prompt
+    assert time.time() - start_time < 30  # startup and compilation included
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -96,22 +96,26 @@ def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
     assert not list((tmp_path / "runs" / "sig").glob("*.tmp"))
 
 
-def test_distributed_sigterm_stops_all_ranks_at_one_iteration(tmp_path):
-    """Under jax.distributed, SIGTERM goes through JAX's preemption sync point: both ranks stop together."""
+@pytest.mark.parametrize("receivers", [(0, 1), (0,)], ids=["both ranks", "rank 0 only"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_distributed_signal_stops_all_ranks_at_one_iteration(signum, receivers, tmp_path):
+    """Under jax.distributed, signals go through JAX's preemption sync point: all ranks stop after the same
+    iteration, also those that got no signal, and rank 0 saves the checkpoint."""
     args = [*long_args("ppo"), "--actor-device-ids", 0, "--learner-device-ids", 1, "--local-num-envs", 4,
             "--checkpoint-frequency", 10_000, "--run-name", "sig"]
     processes = start_pair("ppo", tmp_path, args)
     try:
         wait_for_training(processes[0])
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
+        for rank in receivers:
+            processes[rank].send_signal(signum)
         outputs = [process.communicate(timeout=30)[0] for process in processes]
     finally:
         for process in processes:
             process.kill()
-    stopped = [re.search(r"stopped by signal 15 after iteration (\d+)", output) for output in outputs]
+    received = [signum if rank in receivers else signal.SIGTERM for rank in range(2)]
+    stopped = [re.search(rf"stopped by signal {s} after iteration (\d+)", o) for s, o in zip(received, outputs)]
     assert all(stopped), outputs
-    assert [p.returncode for p in processes] == [143, 143]
+    assert [p.returncode for p in processes] == [128 + s for s in received]
     assert stopped[0].group(1) == stopped[1].group(1)
     payload = load_checkpoint_file(tmp_path / "rank0" / "runs" / "sig" / "checkpoint.msgpack")
     assert payload["iteration"] == int(stopped[0].group(1))

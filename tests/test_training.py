@@ -24,6 +24,7 @@ def tiny_run(script, tmp_path, flags, devices=1, iterations=ITERATIONS, local_nu
             "--total-timesteps", iterations * num_envs * steps, *flags]
     process = run_script(script, args, tmp_path, devices=devices, env={"WANDB_MODE": "offline"})
     check_ok(process)
+    assert "did not stop" not in process.stderr  # every actor thread ended with the run
     return scalars(run_dir(tmp_path)), iterations * num_envs * steps
 
 
