@@ -150,3 +150,31 @@ def test_track_syncs_to_wandb_offline(tmp_path):
     records = (run / f"run-{name}.wandb").read_bytes()
     for tag in [b"losses/loss", b"charts/SPS", b"stats/learner_policy_version"]:
         assert tag in records, tag
+
+
+@pytest.mark.parametrize("script, protocol", [("ppo", "machado"), ("impala", "impala")])
+def test_atari_with_the_resnet(script, protocol, tmp_path):
+    """The default path: an Atari game through the IMPALA ResNet (narrow, to stay fast on a CPU)."""
+    steps = 8
+    args = ["--env-id", "Breakout-v5", "--atari-protocol", protocol, "--channels", "4", "4", "--hidden-dim", "16",
+            "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", steps, "--num-minibatches", "2",
+            "--log-frequency", "1", "--total-timesteps", 3 * 4 * steps]
+    if script == "ppo":
+        args += ["--update-epochs", "1"]
+    process = run_script(script, args, tmp_path)
+    check_ok(process)
+    logged = scalars(run_dir(tmp_path))
+    assert logged["stats/learner_policy_version"][-1] == (3 * 4 * steps, 2)
+    assert all(np.isfinite(value) for tag in LOSS_TAGS for _, value in logged[tag])
+
+
+@pytest.mark.parametrize("script", ["ppo", "impala"])
+def test_gradient_accumulation_matches_whole_minibatches(script, tmp_path):
+    """Summed micro-batch gradients are the minibatch gradient: the same losses with and without accumulation."""
+    runs = []
+    for accumulation in [1, 2]:
+        (tmp_path / str(accumulation)).mkdir()
+        logged, _ = tiny_run(script, tmp_path / str(accumulation), ["--gradient-accumulation-steps", accumulation],
+                             iterations=3)
+        runs.append(first_losses(logged, LOSS_TAGS, 3))
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4, atol=1e-6)
