@@ -5,7 +5,6 @@ import subprocess
 import time
 
 import numpy as np
-import pytest
 
 from conftest import LOSS_TAGS, TINY, check_ok, first_losses, run_dir, run_script, scalars, start_pair
 
@@ -47,11 +46,6 @@ def check_pair(script, tmp_path, processes, total):
     # The global step counts the envs of both processes.
     assert logged["stats/learner_policy_version"][-1] == (total, ITERATIONS - 1)
     return logged
-
-
-@pytest.fixture(params=["ppo", "impala"])
-def script(request):
-    return request.param
 
 
 def test_two_processes_match_one(script, tmp_path):
