@@ -18,6 +18,7 @@ import traceback
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from importlib.metadata import version
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional
 
@@ -25,6 +26,12 @@ from typing import Literal, NamedTuple, Optional
 # setting the user made (the old and new names of this variable conflict when both are set).
 if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
     os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", "0.6")
+# XLA:CPU computes the weight gradients of convolutions 5-30x slower than the convolutions themselves (860 ms vs
+# 30 ms for a 3x3 conv on 64x42x42x32); routing reductions through YNNPACK brings them to the forward's cost and
+# more than halves the CPU time of an Atari update (issue 7, README "Performance"). The flag is experimental and
+# XLA aborts on flags it does not know, so it is only added for the jaxlib it was checked with, and only appended.
+if version("jaxlib").startswith("0.10.") and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_experimental_ynn_fusion_type=reduce".strip()
 
 import envpool
 import flax
@@ -485,6 +492,17 @@ def make_optimizer(args: Args):
     )
 
 
+def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
+    """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices."""
+    rollout_spec = Rollout(*[P(None, "learner")] * 7, env_ids=P("learner"))
+    return jax.jit(jax.shard_map(
+        partial(impala_update, agent, args, shuffle_key), mesh=mesh,
+        in_specs=(P(), (rollout_spec,) * num_slots), out_specs=(P(), P()),
+        # Without replication typing, gradients stay per-device until the explicit psum in update_minibatch
+        # (and rlax's scans, whose carries are unannotated, trace as they are).
+        check_vma=False))
+
+
 def first_replica(tree):
     """The learner's replicated arrays as arrays on one local device, for the actors and for saving."""
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
@@ -691,14 +709,8 @@ def main(args: Args):
               f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
               f"{len(learner_devices)} device(s), logs in {run_dir}", flush=True)
 
-    rollout_spec = Rollout(*[P(None, "learner")] * 7, env_ids=P("learner"))
     num_slots = len(actor_devices) * args.num_actor_threads
-    learner_update = jax.jit(jax.shard_map(
-        partial(impala_update, agent, args, shuffle_key), mesh=mesh,
-        in_specs=(P(), (rollout_spec,) * num_slots), out_specs=(P(), P()),
-        # Without replication typing, gradients stay per-device until the explicit psum in update_minibatch
-        # (and rlax's scans, whose carries are unannotated, trace as they are).
-        check_vma=False))
+    learner_update = make_learner_update(agent, args, shuffle_key, mesh, num_slots)
     policy = make_policy(agent, action_key)
 
     stop, errors, stop_signals = threading.Event(), [], []
