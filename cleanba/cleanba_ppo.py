@@ -62,7 +62,15 @@ class Args:
     wandb_entity: Optional[str] = None
     """the wandb entity (team); None uses your default entity"""
     save_model: bool = False
-    """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model"""
+    """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model, then evaluate them"""
+    eval_episodes: int = 10
+    """with --save-model: episodes played by the saved model at the end, logged as eval/episodic_return (0: none)"""
+    capture_video: bool = False
+    """with --save-model: record the evaluation episodes of one env to runs/<run_name>/videos/*.mp4"""
+    upload_model: bool = False
+    """with --save-model: upload the model, its evaluation, videos and a model card to the Hugging Face Hub"""
+    hf_repo_id: Optional[str] = None
+    """with --upload-model: the Hub repository (default: <your Hub user>/<env_id>-<exp_name>-seed<seed>)"""
     log_frequency: int = 10
     """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
 
@@ -155,9 +163,16 @@ def check_args(args: Args):
                  "gradient_accumulation_steps", "total_timesteps", "log_frequency", "hidden_dim", "heartbeat_timeout"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
-    for name in ["checkpoint_frequency", "stall_timeout"]:
+    for name in ["checkpoint_frequency", "stall_timeout", "eval_episodes"]:
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be 0 (off) or positive")
+    if (args.capture_video or args.upload_model) and not (args.save_model and args.eval_episodes):
+        fail("--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
+             "(and keep --eval-episodes above 0)")
+    if args.upload_model:  # a missing Hub token must not surface only at the end of a long run
+        from cleanba.evaluate import check_hub_login
+
+        check_hub_login()
     if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
         fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
     if args.learning_rate <= 0 or not args.channels or min(args.channels) <= 0:
@@ -390,10 +405,11 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
                 # EnvPool resets on the step after an episode ends: that step returns the reset obs with
                 # elapsed_step 0 and reward 0, and must not be learned from (cleanrl issue 562).
                 storage.valid[t] = info["elapsed_step"] > 0
-                # Scores are raw game rewards until the real game over (not a lost life, not clipped).
+                # Scores are raw game rewards until the real game over (not a lost life, not clipped). EnvPool's
+                # info["terminated"] is int32: unconverted, it would index envs 0 and 1 instead of masking.
                 episode_returns += info.get("reward", reward)
                 episode_lengths += storage.valid[t]
-                game_over = info.get("terminated", terminated) | truncated
+                game_over = info.get("terminated", terminated).astype(bool) | truncated
                 for i in np.flatnonzero(game_over):
                     finished_returns.append(float(episode_returns[i]))
                     finished_lengths.append(int(episode_lengths[i]))
@@ -548,8 +564,8 @@ def write_atomically(path: Path, payload: dict):
 
 
 def save_model(path: Path, args: Args, params):
-    """Args and params in one msgpack file."""
-    write_atomically(path, {"args": json.dumps(asdict(args)),
+    """Args and params in one msgpack file, and the name of the script that defines the network and envs."""
+    write_atomically(path, {"args": json.dumps(asdict(args)), "script": Path(__file__).name,
                             "params": flax.serialization.to_state_dict(jax.device_get(params))})
 
 
@@ -568,6 +584,7 @@ def save_checkpoint(path: Path, args: Args, state: TrainState, iteration: int):
 
 # Flags that may change on resume: they change where and how a run computes or reports, not what it learns.
 RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency",
+                     "eval_episodes", "capture_video", "upload_model", "hf_repo_id",
                      "local_num_envs", "num_actor_threads", "actor_device_ids", "learner_device_ids", "distributed",
                      "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "run_name",
                      "checkpoint_frequency", "resume", "world_size", "local_rank", "local_batch_size",
@@ -760,6 +777,7 @@ def main(args: Args):
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
     completed = start_iteration - 1  # the last iteration whose update is in `state`
+    model_path = None
     try:
         learner_version = completed
         for q in param_queues:
@@ -800,9 +818,9 @@ def main(args: Args):
                 raise StopTraining
         print(f"rank {args.local_rank}: final params sha256 {digest(first_replica(state.params))}", flush=True)
         if args.save_model and is_writer:
-            path = run_dir / f"{args.exp_name}.cleanba_model"
-            save_model(path, args, first_replica(state.params))
-            print(f"model saved to {path}", flush=True)
+            model_path = run_dir / f"{args.exp_name}.cleanba_model"
+            save_model(model_path, args, first_replica(state.params))
+            print(f"model saved to {model_path}", flush=True)
     except StopTraining:
         pass  # a signal, or an actor failed: handled below
     finally:
@@ -814,14 +832,21 @@ def main(args: Args):
         if stop_signals and not errors and is_writer and args.checkpoint_frequency and completed >= start_iteration:
             save_checkpoint(checkpoint_path, args, state, completed)
             print(f"checkpoint of iteration {completed} saved to {checkpoint_path}", flush=True)
-        if writer is not None:
-            writer.close()
-        if args.track and is_writer:
-            import wandb
-
-            wandb.finish()
-        if args.distributed:
+        if args.distributed:  # a barrier of all processes: before rank 0's evaluation, so that none waits for it
             jax.distributed.shutdown()
+        try:
+            if model_path is not None and args.eval_episodes and not stop_signals:
+                from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
+
+                evaluate_after_training(sys.modules[__name__], Path(__file__), args, model_path, writer, run_dir,
+                                        interrupted=lambda: bool(stop_signals))
+        finally:
+            if writer is not None:
+                writer.close()
+            if args.track and is_writer:
+                import wandb
+
+                wandb.finish()
     if errors:
         traceback.print_exception(errors[0])
         print(f"an actor thread failed ({type(errors[0]).__name__}); the run stopped", file=sys.stderr)

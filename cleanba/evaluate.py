@@ -1,0 +1,321 @@
+"""Evaluate a saved Cleanba model: play N episodes with the training wrappers, record videos, upload to the Hub.
+
+    python -m cleanba.evaluate runs/<run_name>/cleanba_ppo.cleanba_model --episodes 10 --capture-video
+    python -m cleanba.evaluate MODEL --greedy --upload-model --hf-repo-id my-name/breakout-cleanba-ppo
+
+The model file (written by either training script's --save-model) holds the args and params; the network and
+the env wrappers come from the training script that wrote it (its file name is in the model file; --script
+points at a fork elsewhere), so evaluation sees exactly what training saw: the same Atari protocol, frame
+stack, sticky actions and episode cap. Returns are raw game scores of whole games (unclipped; a lost life does
+not end a game), as the training scripts' charts/episodic_return.
+
+Each training script runs `evaluate_after_training` at the end of a --save-model run (imported only then): it
+logs eval/episodic_return (one point per episode, x = episode index) next to the run's other curves, writes
+videos to runs/<run_name>/videos/ with --capture-video, and uploads with --upload-model.
+"""
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import tyro
+
+VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 frames of the 60 Hz game
+
+
+@dataclass
+class Args:
+    model: tyro.conf.Positional[Path]
+    """a .cleanba_model file written by --save-model"""
+    episodes: int = 10
+    """the number of episodes to play"""
+    num_envs: int = 8
+    """envs played in parallel (at most --episodes); each plays its share of the episodes"""
+    greedy: bool = False
+    """take the most likely action instead of sampling from the policy"""
+    seed: Optional[int] = None
+    """seed of the evaluation envs and action sampling (default: the run's seed, on envs that training never used)"""
+    capture_video: bool = False
+    """record the episodes of the first env to MP4 files in --video-dir"""
+    video_dir: Optional[Path] = None
+    """where videos go (default: a videos/ folder next to the model)"""
+    script: Optional[Path] = None
+    """the training script that defines the network and env wrappers (default: the one named in the model file)"""
+    log_dir: Optional[Path] = None
+    """also write eval/episodic_return to TensorBoard event files in this directory"""
+    upload_model: bool = False
+    """upload the model, its evaluation returns, videos and a model card to the Hugging Face Hub"""
+    hf_repo_id: Optional[str] = None
+    """the Hub repository, e.g. my-name/breakout-cleanba-ppo (default: <your user>/<env_id>-<exp_name>-seed<seed>)"""
+
+
+def fail(message: str):
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_hub_login():
+    """Called before a long run starts, so that a missing token is not discovered at its end."""
+    from huggingface_hub import get_token
+
+    if get_token() is None:
+        fail("--upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN (a token with write "
+             "access), or leave out --upload-model")
+
+
+def load_script(path: Path):
+    """Import a training script by file path, so that a forked script anywhere can be evaluated."""
+    spec = importlib.util.spec_from_file_location(f"cleanba_script_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_of(model_path: Path, payload: dict, script: Optional[Path]) -> Path:
+    if script is not None:
+        return script
+    name = payload.get("script")
+    candidate = Path(__file__).with_name(name) if name else None
+    if candidate is None or not candidate.exists():
+        fail(f"{model_path} does not name a training script of this checkout ({name}); pass --script PATH of the "
+             "script that trained it")
+    return candidate
+
+
+def episode_quotas(episodes: int, num_envs: int) -> np.ndarray:
+    """Each env plays a fixed share, so the set of episodes does not favour short ones (first-finished bias)."""
+    return np.full(num_envs, episodes // num_envs) + (np.arange(num_envs) < episodes % num_envs)
+
+
+def make_eval_policy(agent, greedy: bool):
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def act(params, obs, key):
+        logits, _ = agent.apply(params, obs)
+        if greedy:
+            return jnp.argmax(logits, axis=1)
+        return jax.random.categorical(key, logits, axis=1)
+
+    return act
+
+
+def write_video(path: Path, frames: list):
+    import imageio
+
+    # imageio starts ffmpeg with subprocess (fork then exec at once), which JAX's fork warning does not concern.
+    warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # macro_block_size 2: keep the game's own size (yuv420p needs even sides; 210x160 and 400x600 are even).
+    with imageio.get_writer(path, fps=VIDEO_FPS, codec="libx264", macro_block_size=2) as writer:
+        for frame in frames:
+            writer.append_data(frame)
+
+
+def evaluate(module, train_args, params, episodes: int, num_envs: int = 8, greedy: bool = False,
+             seed: Optional[int] = None, video_dir: Optional[Path] = None, interrupted=lambda: False) -> tuple:
+    """Play `episodes` whole games with the training script's network and wrappers. Returns (returns, lengths,
+    video paths); episode i of the result is the i-th to finish. Stops early when interrupted() is true."""
+    import envpool
+    import jax
+
+    num_envs = max(1, min(num_envs, episodes))
+    # Training envs are seeded seed + 0 .. num_envs - 1; start after them so evaluation plays unseen envs.
+    seed = train_args.seed + train_args.num_envs if seed is None else seed
+    render = {"render_mode": "rgb_array"} if video_dir is not None else {}
+    envs = envpool.make(train_args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed,
+                        **module.env_kwargs(train_args), **render)
+    spec = envs.spec
+    agent = module.Agent(spec.action_space.n, tuple(train_args.channels), train_args.hidden_dim)
+    act = make_eval_policy(agent, greedy)
+    key = jax.random.key(seed)
+    quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
+    running, lengths_now = np.zeros(num_envs), np.zeros(num_envs, np.int64)
+    returns, lengths, videos, frames = [], [], [], []
+    try:
+        obs, info = envs.reset()
+        recording = video_dir is not None
+        if recording:
+            frames.append(envs.render(env_ids=[0])[0])
+        while np.any(played < quotas) and not interrupted():
+            key, step_key = jax.random.split(key)
+            actions = np.asarray(act(params, obs, step_key))
+            obs, reward, terminated, truncated, info = envs.step(actions)
+            if recording and played[0] < quotas[0]:
+                # After a game over, the next step is EnvPool's auto-reset: its frame starts the next episode.
+                frames.append(envs.render(env_ids=[0])[0])
+            running += info.get("reward", reward)  # raw score, not the clipped training reward
+            lengths_now += info["elapsed_step"] > 0
+            game_over = info.get("terminated", terminated).astype(bool) | truncated  # a lost life is not a game over
+            for i in np.flatnonzero(game_over):
+                if played[i] < quotas[i]:
+                    returns.append(float(running[i]))
+                    lengths.append(int(lengths_now[i]))
+                    if i == 0 and recording:
+                        videos.append(video_dir / f"{train_args.env_id}-episode-{played[0]}.mp4")
+                        write_video(videos[-1], frames)
+                        frames = []
+                    played[i] += 1
+            running[game_over], lengths_now[game_over] = 0.0, 0
+    finally:
+        envs.close()
+    return returns, lengths, videos
+
+
+def log_returns(writer, returns: list):
+    for episode, value in enumerate(returns):
+        writer.add_scalar("eval/episodic_return", value, episode)
+
+
+def summary(returns: list) -> str:
+    return f"{len(returns)} episodes, return {np.mean(returns):.2f} +- {np.std(returns):.2f}"
+
+
+def model_card(train_args: dict, returns: list, script_name: str, repo_id: str, videos: list) -> str:
+    """A Hub model card: metadata the Hub indexes (model-index results), then how to reproduce and evaluate."""
+    env_id, exp_name = train_args["env_id"], train_args["exp_name"]
+    algorithm = "PPO" if "ppo" in script_name else "IMPALA" if "impala" in script_name else script_name
+    mean, std = float(np.mean(returns)), float(np.std(returns))
+    flags = " ".join(f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+                     for key, value in (("env_id", env_id), ("seed", train_args["seed"]),
+                                        ("total_timesteps", train_args["total_timesteps"])))
+    video_line = f"\nVideo of an evaluation episode: `{videos[0].name}`.\n" if videos else ""
+    return f"""---
+library_name: cleanba
+tags:
+- {env_id}
+- deep-reinforcement-learning
+- reinforcement-learning
+- cleanba
+model-index:
+- name: {algorithm}
+  results:
+  - task:
+      type: reinforcement-learning
+      name: reinforcement-learning
+    dataset:
+      name: {env_id}
+      type: {env_id}
+    metrics:
+    - type: mean_reward
+      value: {mean:.2f} +/- {std:.2f}
+      name: mean_reward
+      verified: false
+---
+
+# {algorithm} agent playing {env_id}
+
+Trained with Cleanba's `{script_name}` (experiment `{exp_name}`): {len(returns)} evaluation episodes scored
+{mean:.2f} +/- {std:.2f} (raw game score; `eval_returns.json` has each episode).
+{video_line}
+## Reproduce
+
+```bash
+python cleanba/{script_name} {flags} --save-model
+```
+
+`args.json` holds every hyperparameter of the run, including the device layout (the learning curve does not
+depend on it).
+
+## Evaluate
+
+```bash
+huggingface-cli download {repo_id} --local-dir model
+python -m cleanba.evaluate model/{exp_name}.cleanba_model --script model/{script_name} --episodes 10
+```
+"""
+
+
+def build_hub_folder(folder: Path, model_path: Path, script_path: Path, train_args: dict, returns: list,
+                     lengths: list, videos: list, repo_id: str) -> Path:
+    """Everything the Hub repository holds, in a local folder: model, script, args, returns, videos, card."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(model_path, folder / model_path.name)
+    shutil.copy2(script_path, folder / script_path.name)
+    (folder / "args.json").write_text(json.dumps(train_args, indent=2))
+    (folder / "eval_returns.json").write_text(json.dumps({"episodic_return": returns, "episodic_length": lengths}))
+    for video in videos:
+        shutil.copy2(video, folder / video.name)
+    (folder / "README.md").write_text(model_card(train_args, returns, script_path.name, repo_id, videos))
+    return folder
+
+
+def default_repo_id(train_args: dict) -> str:
+    from huggingface_hub import HfApi
+
+    user = HfApi().whoami()["name"]
+    return f"{user}/{train_args['env_id']}-{train_args['exp_name']}-seed{train_args['seed']}"
+
+
+def upload(model_path: Path, script_path: Path, train_args: dict, returns: list, lengths: list, videos: list,
+           repo_id: Optional[str]) -> str:
+    from huggingface_hub import HfApi
+
+    repo_id = repo_id or default_repo_id(train_args)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_hub_folder(Path(tmp), model_path, script_path, train_args, returns, lengths, videos, repo_id)
+        api = HfApi()
+        api.create_repo(repo_id, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=f"{summary(returns)}")
+    print(f"uploaded to https://huggingface.co/{repo_id}", flush=True)
+    return repo_id
+
+
+def evaluate_after_training(module, script_path: Path, args, model_path: Path, writer, run_dir: Path,
+                            interrupted=lambda: False):
+    """The end of a --save-model run: evaluate the saved params, log eval/episodic_return, record, upload."""
+    import flax.serialization
+
+    start = time.time()
+    params = flax.serialization.msgpack_restore(model_path.read_bytes())["params"]
+    video_dir = run_dir / "videos" if args.capture_video else None
+    returns, lengths, videos = evaluate(module, args, params, args.eval_episodes, video_dir=video_dir,
+                                        interrupted=interrupted)
+    if interrupted():
+        return
+    log_returns(writer, returns)
+    print(f"evaluation: {summary(returns)} ({time.time() - start:.0f} s)"
+          + (f", videos in {video_dir}" if videos else ""), flush=True)
+    if args.upload_model:
+        upload(model_path, script_path, asdict(args), returns, lengths, videos, args.hf_repo_id)
+
+
+def main(args: Args):
+    if args.episodes < 1 or args.num_envs < 1:
+        fail(f"--episodes={args.episodes} and --num-envs={args.num_envs} must be at least 1")
+    if not args.model.is_file():
+        fail(f"{args.model} is not a file; give the .cleanba_model written by a training run's --save-model")
+    if args.upload_model:
+        check_hub_login()
+    import flax.serialization
+
+    payload = flax.serialization.msgpack_restore(args.model.read_bytes())
+    script_path = script_of(args.model, payload, args.script)
+    module = load_script(script_path)
+    train_args_dict = json.loads(payload["args"])
+    train_args = module.Args(**train_args_dict)
+    video_dir = (args.video_dir or args.model.parent / "videos") if args.capture_video else None
+    returns, lengths, videos = evaluate(module, train_args, payload["params"], args.episodes, args.num_envs,
+                                        args.greedy, args.seed, video_dir)
+    for episode, (value, length) in enumerate(zip(returns, lengths)):
+        print(f"episode {episode}: return {value:.2f}, length {length}")
+    print(f"{train_args.env_id}: {summary(returns)}" + (f"; videos: {', '.join(map(str, videos))}" if videos else ""))
+    if args.log_dir is not None:
+        from tensorboardX import SummaryWriter
+
+        with SummaryWriter(str(args.log_dir)) as writer:
+            log_returns(writer, returns)
+    if args.upload_model:
+        upload(args.model, script_path, train_args_dict, returns, lengths, videos, args.hf_repo_id)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,109 @@
+"""Evaluation of saved models: the end-of-training evaluation, the CLI, videos, and the Hub folder and card."""
+import json
+import subprocess
+import sys
+
+import imageio
+import yaml
+
+from conftest import ROOT, TINY, check_ok, run_dir, run_script, scalars, script_env
+
+EVALUATE = [sys.executable, "-m", "cleanba.evaluate"]
+NO_HUB_TOKEN = {"HF_TOKEN": "", "HF_HUB_OFFLINE": "1"}  # and HF_HOME in tmp_path: no token anywhere
+
+
+def video_frames(path) -> int:
+    with imageio.get_reader(path) as reader:
+        return reader.count_frames()
+
+
+def train_and_save(script, tmp_path, extra=()):
+    process = run_script(script, [*TINY[script], "--local-num-envs", 4, "--num-actor-threads", 1,
+                                  "--total-timesteps", 256, "--save-model", *extra], tmp_path)
+    check_ok(process)
+    (model,) = run_dir(tmp_path).glob("*.cleanba_model")
+    return process, model
+
+
+def test_training_evaluates_and_records_the_saved_model(script, tmp_path):
+    process, _ = train_and_save(script, tmp_path, ["--eval-episodes", 3, "--capture-video"])
+    assert "evaluation: 3 episodes" in process.stdout
+    logged = scalars(run_dir(tmp_path))
+    assert [step for step, _ in logged["eval/episodic_return"]] == [0, 1, 2]
+    # CartPole pays 1 per step: every return is a whole episode of at least 8 steps (the shortest possible).
+    assert all(value >= 8 for _, value in logged["eval/episodic_return"])
+    videos = sorted((run_dir(tmp_path) / "videos").glob("*.mp4"))
+    assert [video.name for video in videos] == ["CartPole-v1-episode-0.mp4"]  # env 0's share of 3 over 3 envs
+    assert video_frames(videos[0]) >= 9  # the reset frame and one per step
+
+
+def test_cli_plays_the_asked_episodes_with_video(tmp_path):
+    _, model = train_and_save("impala", tmp_path, ["--eval-episodes", 0])
+    assert not (run_dir(tmp_path) / "videos").exists()
+    command = [*EVALUATE, model, "--episodes", 5, "--num-envs", 2, "--greedy", "--capture-video",
+               "--video-dir", tmp_path / "videos", "--log-dir", tmp_path / "eval-log"]
+    process = subprocess.run(list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True,
+                             timeout=240)
+    check_ok(process)
+    lengths = [int(line.rsplit(" ", 1)[1]) for line in process.stdout.splitlines() if line.startswith("episode ")]
+    assert len(lengths) == 5 and "CartPole-v1: 5 episodes" in process.stdout
+    assert len(scalars(tmp_path / "eval-log")["eval/episodic_return"]) == 5
+    videos = sorted((tmp_path / "videos").glob("*.mp4"))
+    assert len(videos) == 3  # env 0 plays 3 of the 5 episodes
+    # Each video holds one of the printed episodes: its first frame, then one per step.
+    assert all(video_frames(video) - 1 in lengths for video in videos)
+
+
+def test_cli_on_atari_scores_whole_games(tmp_path):
+    """Machado protocol: no life-loss signal, so an episode is a whole game of Breakout (5 lives)."""
+    process = run_script("ppo", ["--env-id", "Breakout-v5", "--channels", 4, "--hidden-dim", 16, "--local-num-envs", 2,
+                                 "--num-actor-threads", 1, "--num-steps", 8, "--num-minibatches", 1,
+                                 "--update-epochs", 1, "--total-timesteps", 16, "--save-model", "--eval-episodes", 0],
+                         tmp_path)
+    check_ok(process)
+    (model,) = run_dir(tmp_path).glob("*.cleanba_model")
+    command = [*EVALUATE, model, "--episodes", 1, "--capture-video", "--video-dir", tmp_path / "videos"]
+    process = subprocess.run(list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True,
+                             timeout=240)
+    check_ok(process)
+    (line,) = [line for line in process.stdout.splitlines() if line.startswith("episode 0:")]
+    length = int(line.rsplit(" ", 1)[1])
+    assert length > 100  # five lives of a near-random agent; one life is far shorter
+    (video,) = (tmp_path / "videos").glob("Breakout-v5-episode-0.mp4")
+    with imageio.get_reader(video) as reader:
+        assert reader.get_meta_data()["size"] == (160, 210)  # the game's screen, not the 84x84 observation
+        assert reader.count_frames() == length + 1
+
+
+def test_hub_folder_and_model_card(tmp_path):
+    from cleanba.evaluate import build_hub_folder
+
+    _, model = train_and_save("ppo", tmp_path, ["--eval-episodes", 2, "--capture-video", "--exp-name", "cp"])
+    videos = sorted((run_dir(tmp_path) / "videos").glob("*.mp4"))
+    train_args = json.loads(__import__("flax").serialization.msgpack_restore(model.read_bytes())["args"])
+    folder = build_hub_folder(tmp_path / "hub", model, ROOT / "cleanba" / "cleanba_ppo.py", train_args,
+                              [12.0, 20.0], [12, 20], videos, "someone/CartPole-v1-cp-seed1")
+    names = sorted(path.name for path in folder.iterdir())
+    assert names == sorted(["README.md", "args.json", "cleanba_ppo.py", "cp.cleanba_model", "eval_returns.json",
+                            *[video.name for video in videos]])
+    assert (folder / "cp.cleanba_model").read_bytes() == model.read_bytes()
+    assert json.loads((folder / "eval_returns.json").read_text()) == {"episodic_return": [12.0, 20.0],
+                                                                      "episodic_length": [12, 20]}
+    assert json.loads((folder / "args.json").read_text())["env_id"] == "CartPole-v1"
+    card = (folder / "README.md").read_text()
+    front_matter = yaml.safe_load(card.split("---")[1])
+    assert front_matter["library_name"] == "cleanba"
+    result = front_matter["model-index"][0]["results"][0]
+    assert result["dataset"]["name"] == "CartPole-v1"
+    assert result["metrics"][0]["value"] == "16.00 +/- 4.00"
+    assert "huggingface-cli download someone/CartPole-v1-cp-seed1" in card
+    assert "python -m cleanba.evaluate model/cp.cleanba_model --script model/cleanba_ppo.py" in card
+
+
+def test_upload_without_a_token_is_refused_before_training(tmp_path):
+    env = dict(NO_HUB_TOKEN, HF_HOME=str(tmp_path / "hf"))
+    process = run_script("ppo", [*TINY["ppo"], "--save-model", "--upload-model"], tmp_path, env=env)
+    assert process.returncode == 2 and "--upload-model needs a Hugging Face token" in process.stderr
+    assert not (tmp_path / "runs").exists()
+    process = run_script("impala", [*TINY["impala"], "--capture-video"], tmp_path)
+    assert process.returncode == 2 and "add --save-model" in process.stderr
