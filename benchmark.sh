@@ -1,14 +1,38 @@
 #!/usr/bin/env bash
-# The Cleanba paper's Atari-57 experiments (arXiv 2310.00036, section 5): PPO and IMPALA, 3 seeds, on
+# Two modes. Run from the checkout, inside the project's environment so that `python` is the project's.
+#
+# bash benchmark.sh throughput [BENCHMARK FLAGS --] [SCRIPT FLAGS]
+#   Throughput of PPO and IMPALA on Breakout-v5 on this machine (python -m cleanba.benchmark; what each
+#   figure means is in cleanba/benchmark.py): the EnvPool ceiling, actor alone, learner alone, training with
+#   concurrency off and on. SCRIPT FLAGS go to both training scripts (e.g. the layout: --actor-device-ids 0
+#   --learner-device-ids 1 2 3); flags before a `--` go to the benchmark (e.g. --repeats 5). Writes
+#   benchmark-cleanba_ppo-Breakout-v5.json and benchmark-cleanba_impala-Breakout-v5.json here.
+#     python3 -m poetry run bash benchmark.sh throughput --repeats 5 -- --actor-device-ids 0 --learner-device-ids 0
+#
+# bash benchmark.sh [LAUNCHER FLAGS]
+#   The Cleanba paper's Atari-57 experiments (arXiv 2310.00036, section 5): PPO and IMPALA, 3 seeds, on
 #   - 1 GPU + 10 CPU cores, actor and learner sharing the GPU (a0-l0-d1), and
 #   - 8 GPUs as 2 processes of 4 GPUs, actor on the first, learner on the other three (a0-l1,2,3-d2),
-# submitted as SLURM job arrays (one task per game and seed) through `python -m cleanba.launch_slurm`.
-#
-# Run from the checkout on a login node, inside the project's environment so that `python` in the jobs is
-# the project's:   python3 -m poetry run bash benchmark.sh --partition gpu --account my-account
-# Extra arguments go to every launcher call; --dry-run prints the scripts instead of submitting them.
+#   submitted as SLURM job arrays (one task per game and seed) through `python -m cleanba.launch_slurm`, from a
+#   login node:   python3 -m poetry run bash benchmark.sh --partition gpu --account my-account
+#   The arguments go to every launcher call; --dry-run prints the scripts instead of submitting them.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+if [[ "${1:-}" == throughput ]]; then
+  shift
+  bench_flags=() script_flags=("$@")
+  for i in "${!script_flags[@]}"; do  # split at the first --, if any
+    if [[ "${script_flags[i]}" == -- ]]; then
+      bench_flags=("${script_flags[@]:0:i}") script_flags=("${script_flags[@]:i+1}")
+      break
+    fi
+  done
+  for algo in ppo impala; do
+    python -m cleanba.benchmark --script "$algo" "${bench_flags[@]}" -- --env-id Breakout-v5 "${script_flags[@]}"
+  done
+  exit 0
+fi
 
 ATARI57=(Alien-v5 Amidar-v5 Assault-v5 Asterix-v5 Asteroids-v5 Atlantis-v5 BankHeist-v5 BattleZone-v5
   BeamRider-v5 Berzerk-v5 Bowling-v5 Boxing-v5 Breakout-v5 Centipede-v5 ChopperCommand-v5 CrazyClimber-v5

@@ -537,6 +537,17 @@ def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_s
         check_vma=False))
 
 
+def make_agent(args: Args, mesh: Mesh):
+    """The network, its initial train state replicated over the learner devices, and the action and shuffle keys."""
+    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
+    agent = Agent(spec.action_space.n, tuple(args.channels), args.hidden_dim)
+    init_key, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
+    obs_example = np.zeros((1, *spec.observation_space.shape), spec.observation_space.dtype)
+    state = TrainState.create(apply_fn=None, params=agent.init(init_key, obs_example), tx=make_optimizer(args))
+    state = state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
+    return agent, jax.device_put(state, NamedSharding(mesh, P())), action_key, shuffle_key
+
+
 def first_replica(tree):
     """The learner's replicated arrays as arrays on one local device, for the actors and for saving."""
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
@@ -712,14 +723,7 @@ def main(args: Args):
         fail(f"--resume: no checkpoint at {checkpoint_path}; give the --run-name of a run that saved one "
              f"(--checkpoint-frequency)")
 
-    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
-    agent = Agent(spec.action_space.n, tuple(args.channels), args.hidden_dim)
-    init_key, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
-    obs_example = np.zeros((1, *spec.observation_space.shape), spec.observation_space.dtype)
-    params = agent.init(init_key, obs_example)
-    state = TrainState.create(apply_fn=None, params=params, tx=make_optimizer(args))
-    state = state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
-    state = jax.device_put(state, NamedSharding(mesh, P()))
+    agent, state, action_key, shuffle_key = make_agent(args, mesh)
     start_iteration = 1
     if resume:
         completed, restored = load_checkpoint(checkpoint_path, args, state)

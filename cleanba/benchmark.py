@@ -1,0 +1,626 @@
+"""Throughput benchmark of a Cleanba training script: how fast each side runs alone, and how well they overlap.
+
+    python -m cleanba.benchmark --script ppo -- --env-id Breakout-v5 --num-actor-threads 1 --local-num-envs 8 \\
+        --num-steps 32 --actor-device-ids 0 --learner-device-ids 0
+    python -m cleanba.benchmark --script impala --reference-command "python other/impala.py --env-id Breakout-v5" \\
+        -- --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3     # a GPU machine with 4 GPUs
+    bash benchmark.sh throughput --actor-device-ids 0 --learner-device-ids 0      # PPO and IMPALA on Breakout-v5
+
+Everything after `--` goes to the training script's own flags (its tyro Args), so every phase sizes envs, actor
+threads, batches and devices exactly like a real single-process run of that command: `local_num_envs` envs per
+actor thread, `num_actor_threads` threads per id of `--actor-device-ids`, the learner data-parallel over
+`--learner-device-ids`. `--script` is ppo, impala, or the path of a fork that keeps the scripts' functions. On a
+GPU pass the device ids as for training (a0-l0: actor and learner share GPU 0; a0-l1,2,3: actor on GPU 0);
+on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices. The environment (XLA_FLAGS,
+JAX_PLATFORMS, ...) is passed on to every phase unchanged.
+
+Phases, each in a child process of its own, so that XLA state does not carry over from one to the next and
+the peak host memory of each is measured alone (ru_maxrss of the child, from os.wait4):
+    ceiling     EnvPool alone: one Python thread per actor thread, each stepping its own pool (same env
+                config, envs and seeds as the actors) with random valid actions, no policy, no JAX
+                computation. The fastest the actors could ever go on this machine.
+    actor       the script's own actor threads (rollout_actor: policy inference, rollout storage, transfer to
+                the learner devices), fed the initial params without waiting and drained at once: no learning.
+    learner     the script's jitted update on synthetic rollouts of the real global size (random observations
+                and actions, env ids as a real run assigns them), no envs.
+    sync        the training script itself with --no-concurrency: actor and learner alternate.
+    concurrent  the training script itself with --concurrency: they overlap, the actor one policy behind.
+    reference   optional (--reference-command): any command, run in a shell in the current directory; its
+                figure is the last "SPS <number>" it printed, its wall time and peak memory are reported too.
+
+An iteration is one rollout of num_steps steps of every env: batch_size env steps. Every phase runs
+--warmup-iterations iterations first, which are not measured (compilation, first env resets), then --repeats
+windows of --iterations iterations; each figure is the median over the windows (these machines are noisy, so
+compare ratios measured in one run rather than absolute figures across runs). sync and concurrent train for
+exactly warmup + repeats x iterations iterations (the benchmark sets --total-timesteps and --run-name, and runs
+them in a temporary directory), and their figures come from the TensorBoard stats/ the script logs every
+iteration, timed by the events' wall times.
+
+Figures (one table row per phase; all of them, per window too, in the JSON file):
+    SPS            env steps per second. ceiling, actor: steps of all actor threads together per second of a
+                   window. learner: batch_size / median update time. sync, concurrent: batch_size x iterations of
+                   a window / the wall time between the end of the window's first and last iterations.
+    / ceiling      SPS over the ceiling's: the share of raw EnvPool speed that the phase keeps.
+    compile s      actor: the first rollout's time minus the median rollout time (the policy's compilation).
+                   learner, sync, concurrent: the first update's time minus the median update time.
+    learner wait   sync, concurrent: median seconds per iteration the learner waited for rollouts
+                   (stats/rollout_queue_wait; large: the actor is the bottleneck).
+    actor wait     sync, concurrent: median seconds per iteration an actor waited for params plus to hand over
+                   its rollout (stats/param_queue_wait + stats/actor_rollout_queue_wait; large: the learner is).
+    host MiB       peak resident memory of the phase's process (with its JAX, EnvPool and, for sync and
+                   concurrent, the whole training run).
+    device MiB     the largest peak_bytes_in_use of the local devices (memory_stats(); GPUs). n/a on CPU.
+Ratio lines:
+    concurrent / sync      what overlapping buys.
+    overlap efficiency     concurrent SPS / min(actor SPS, learner SPS): 1 means the overlap is perfect and
+                           the run goes as fast as its slower side alone allows.
+    sync efficiency        sync SPS / (1 / (1 / actor SPS + 1 / learner SPS)): the same for alternating sides.
+    ours / reference       concurrent SPS (sync SPS without a concurrent phase) over the reference's.
+"""
+import importlib.util
+import json
+import os
+import queue
+import re
+import runpy
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import tyro
+
+PHASES = ("ceiling", "actor", "learner", "sync", "concurrent")
+SCRIPTS = {"ppo": Path(__file__).with_name("cleanba_ppo.py"), "impala": Path(__file__).with_name("cleanba_impala.py")}
+# What the benchmark calls in a training script; a fork must keep these names and signatures.
+SCRIPT_FUNCTIONS = ("Args", "check_args", "check_devices", "fill_runtime_sizes", "make_env", "env_kwargs", "Agent",
+                    "make_policy", "rollout_actor", "put_on_learners", "make_learner_update", "make_optimizer",
+                    "Rollout", "first_replica", "queue_get", "queue_put", "run_thread", "StopTraining")
+SPS_PATTERN = re.compile(r"SPS[^0-9]*([0-9][0-9,]*\.?[0-9]*)")
+CHILD_FLAG = "--phase-child"  # internal: `--phase-child PHASE RESULT_FILE` runs one phase in this process
+
+
+@dataclass
+class BenchmarkArgs:
+    script: str = "ppo"
+    """ppo, impala, or the path of a training script with the same functions (a fork)"""
+    phases: list[Literal["ceiling", "actor", "learner", "sync", "concurrent"]] = field(
+        default_factory=lambda: list(PHASES))
+    """the phases to run (always in the order ceiling, actor, learner, sync, concurrent)"""
+    repeats: int = 3
+    """measurement windows per phase; every figure is the median over them"""
+    warmup_iterations: int = 2
+    """iterations each phase runs before measuring (compilation, first resets)"""
+    iterations: int = 5
+    """iterations (rollouts of num_steps steps of every env) per measurement window"""
+    json: Optional[Path] = None
+    """where to write all figures (default: benchmark-<script>-<env id>.json in the current directory)"""
+    reference_command: Optional[str] = None
+    """a shell command to compare with (e.g. another implementation); its last printed "SPS <number>" is read"""
+    timeout: float = 1800.0
+    """seconds one phase may take before it is killed and the benchmark fails"""
+
+
+def fail(message: str):
+    """Refuse bad input before any phase runs: exit status 2, no traceback."""
+    print(f"benchmark: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def split_argv(argv: list) -> tuple:
+    """The benchmark's own flags, and the training script's (everything after the first `--`)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def parse_benchmark_args(argv: list) -> BenchmarkArgs:
+    bench = tyro.cli(BenchmarkArgs, args=argv, prog="python -m cleanba.benchmark", description=__doc__)
+    for name in ["repeats", "warmup_iterations", "iterations"]:
+        if getattr(bench, name) <= 0:
+            # At least one warm-up iteration: the first includes compilation, and windows start at its end.
+            fail(f"--{name.replace('_', '-')}={getattr(bench, name)} must be positive")
+    if bench.timeout <= 0:
+        fail(f"--timeout={bench.timeout} must be positive")
+    if not bench.phases and not bench.reference_command:
+        fail("--phases is empty and there is no --reference-command: nothing to measure")
+    return bench
+
+
+def resolve_script(name: str) -> Path:
+    path = SCRIPTS.get(name, Path(name))
+    if not path.is_file() or path.suffix != ".py":
+        fail(f"--script {name}: give ppo, impala or the path of a training script (.py); {path} is not a file")
+    return path.resolve()
+
+
+def load_script(path: Path):
+    """The training script as a module (not as __main__: its main() does not run)."""
+    name = f"benchmarked_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and tyro resolve the Args annotations through sys.modules
+    spec.loader.exec_module(module)
+    missing = [name for name in SCRIPT_FUNCTIONS if not hasattr(module, name)]
+    if missing:
+        fail(f"--script {path}: it has no {', '.join(missing)}; the benchmark needs a Cleanba training script "
+             f"(a fork of cleanba/cleanba_ppo.py or cleanba_impala.py that keeps these names)")
+    return module
+
+
+def total_iterations(bench: BenchmarkArgs) -> int:
+    return bench.warmup_iterations + bench.repeats * bench.iterations
+
+
+def parse_script_args(module, flags: list, iterations: int):
+    """The script's Args, checked as the script checks them and sized like one process running `iterations`."""
+    args = tyro.cli(module.Args, args=flags, prog=f"{Path(module.__file__).name} (after --)")
+    module.check_args(args)
+    if args.distributed or args.resume:
+        fail("--distributed and --resume do not apply: the benchmark measures one process from scratch (run it on "
+             "one node with that node's layout)")
+    args.total_timesteps = sys.maxsize  # only to learn batch_size
+    module.fill_runtime_sizes(args, 1, 0)
+    args.total_timesteps = args.batch_size * iterations
+    module.fill_runtime_sizes(args, 1, 0)
+    return args
+
+
+def layout(args) -> str:
+    return (f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}, "
+            f"{args.num_actor_threads} actor thread(s) per actor device x {args.local_num_envs} envs")
+
+
+def median(values) -> float:
+    return float(np.median(values))
+
+
+def window_sps(boundaries: list, steps_per_window: int) -> list:
+    """Env steps per second of consecutive windows; boundaries[j] is when window j starts (and j - 1 ends)."""
+    return [steps_per_window / (end - start) for start, end in zip(boundaries[:-1], boundaries[1:])]
+
+
+def window_boundaries(ends: list, bench: BenchmarkArgs) -> list:
+    """ends[i]: when iteration i + 1 ended. Windows start at the end of the last warm-up iteration."""
+    first = bench.warmup_iterations - 1
+    return [ends[first + j * bench.iterations] for j in range(bench.repeats + 1)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Phases run in a child process: each returns a dict of figures.
+
+
+def thread_slots(args) -> list:
+    """(device index, thread_index) of every actor thread, numbered as main() numbers them (one process)."""
+    return [(d, d * args.num_actor_threads + t)
+            for d in range(len(args.actor_device_ids)) for t in range(args.num_actor_threads)]
+
+
+def random_actor(module, args, thread_index: int, bench: BenchmarkArgs, barrier: threading.Barrier,
+                 stop: threading.Event):
+    """Steps one pool like an actor thread does (send, then recv), with random actions instead of a policy."""
+    first_env = thread_index * args.local_num_envs
+    envs = module.make_env(args, args.local_num_envs, seed=args.seed + first_env)  # the actor's seeds
+    try:
+        rng = np.random.default_rng([args.seed, thread_index])
+        num_actions = envs.action_space.n
+        envs.async_reset()
+        *_, info = envs.recv()
+        for iteration in range(total_iterations(bench)):
+            if iteration >= bench.warmup_iterations and (iteration - bench.warmup_iterations) % bench.iterations == 0:
+                barrier.wait()  # all threads start each window together
+            if stop.is_set():
+                raise module.StopTraining
+            for _ in range(args.num_steps):
+                envs.send(rng.integers(num_actions, size=args.local_num_envs, dtype=np.int32), info["env_id"])
+                *_, info = envs.recv()
+        barrier.wait()  # the end of the last window
+    except BaseException:
+        barrier.abort()  # free the threads waiting for this one
+        raise
+    finally:
+        envs.close()
+
+
+def first_error(errors: list):
+    """The error that stopped a phase, not the BrokenBarrierErrors it caused in the other threads."""
+    return next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+
+
+def join_all(threads: list):
+    for thread in threads:
+        thread.join(timeout=30)
+    if any(thread.is_alive() for thread in threads):
+        print("warning: a thread did not stop within 30 s", file=sys.stderr)
+
+
+def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
+    starts = []  # barrier j releases when every thread has finished window j - 1
+    barrier = threading.Barrier(len(thread_slots(args)), action=lambda: starts.append(time.perf_counter()))
+    stop, errors = threading.Event(), []
+    threads = [threading.Thread(target=module.run_thread, daemon=True, name=f"env-{thread_index}",
+                                args=(random_actor, stop, errors, module, args, thread_index, bench, barrier))
+               for _, thread_index in thread_slots(args)]
+    for thread in threads:
+        thread.start()
+    join_all(threads)
+    if errors:
+        raise first_error(errors)
+    windows = window_sps(starts, args.batch_size * bench.iterations)
+    return dict(sps=median(windows), window_sps=windows)
+
+
+def build_model(module, args):
+    """Devices, mesh, agent, initial train state and keys exactly as main() builds them for one process."""
+    import envpool
+    import jax
+    from jax.sharding import Mesh
+
+    module.check_devices(args, len(jax.local_devices()))
+    local_devices = jax.local_devices()
+    learner_devices = [local_devices[i] for i in args.learner_device_ids]
+    mesh = Mesh(np.array(learner_devices), ("learner",))
+    agent, state, action_key, shuffle_key = module.make_agent(args, mesh)
+    return dict(actor_devices=[local_devices[i] for i in args.actor_device_ids], learner_devices=learner_devices,
+                mesh=mesh, spec=envpool.make_spec(args.env_id, **module.env_kwargs(args)), agent=agent, state=state,
+                action_key=action_key, shuffle_key=shuffle_key)
+
+
+def feed_params(module, param_queue, params, stop):
+    """Keeps an actor's param queue full, as a learner that is never late would (versions increasing)."""
+    version = 0
+    while True:
+        version += 1
+        module.queue_put(param_queue, (version, params), stop)
+
+
+def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
+    import jax
+
+    model = build_model(module, args)
+    params = module.first_replica(model["state"].params)  # where main() hands params over
+    policy = module.make_policy(model["agent"], model["action_key"])
+    slots = thread_slots(args)
+    param_queues = [queue.Queue(maxsize=1) for _ in slots]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in slots]
+    stop, errors, threads = threading.Event(), [], []
+    for slot, (d, thread_index) in enumerate(slots):
+        threads.append(threading.Thread(
+            target=module.run_thread, daemon=True, name=f"actor-{thread_index}",
+            args=(module.rollout_actor, stop, errors, args, 1, thread_index, model["actor_devices"][d],
+                  model["mesh"], model["learner_devices"], policy, param_queues[slot], rollout_queues[slot])))
+        threads.append(threading.Thread(target=module.run_thread, daemon=True, name=f"feeder-{thread_index}",
+                                        args=(feed_params, stop, errors, module, param_queues[slot], params)))
+    ends, rollout_times = [], []
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in range(args.num_iterations):  # drain as a learner with instant updates would
+            items = [module.queue_get(q, stop) for q in rollout_queues]
+            jax.block_until_ready([rollout for rollout, _ in items])
+            ends.append(time.perf_counter())
+            rollout_times.append(median([info.rollout_time for _, info in items]))
+    except module.StopTraining:
+        pass  # an actor failed: raised below
+    finally:
+        stop.set()
+        join_all(threads)
+    if errors:
+        raise errors[0]
+    windows = window_sps(window_boundaries(ends, bench), args.batch_size * bench.iterations)
+    rollout_time = median(rollout_times[bench.warmup_iterations:])
+    return dict(sps=median(windows), window_sps=windows, rollout_time_s=rollout_time,
+                compile_s=rollout_times[0] - rollout_time)
+
+
+def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Generator):
+    """One actor thread's rollout with the real shapes and dtypes: random obs and actions, few episode ends."""
+    T, n, shape = args.num_steps, args.local_num_envs, spec.observation_space.shape
+    dtype = spec.observation_space.dtype
+    if np.issubdtype(dtype, np.integer):
+        obs = rng.integers(0, 256, size=(T + 1, n, *shape)).astype(dtype)
+    else:
+        obs = rng.standard_normal((T + 1, n, *shape)).astype(dtype)
+    num_actions = spec.action_space.n
+    first_env = thread_index * args.local_num_envs  # as rollout_actor numbers its envs
+    return module.Rollout(
+        obs=obs, actions=rng.integers(num_actions, size=(T, n)).astype(np.int32),
+        logprobs=np.full((T, n), -np.log(num_actions), np.float32) + rng.normal(0, 0.1, (T, n)).astype(np.float32),
+        rewards=rng.choice(np.array([-1, 0, 1], np.float32), size=(T, n), p=[0.05, 0.9, 0.05]),
+        terminations=rng.random((T, n)) < 0.01, truncations=rng.random((T, n)) < 0.001,
+        valid=np.ones((T, n), bool), env_ids=np.arange(first_env, first_env + n, dtype=np.int32))
+
+
+def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
+    import jax
+
+    model = build_model(module, args)
+    state = model["state"]
+    slots = thread_slots(args)
+    learner_update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(slots))
+    rng = np.random.default_rng(args.seed)
+    rollouts = tuple(module.put_on_learners(synthetic_rollout(module, args, model["spec"], thread_index, rng),
+                                            model["mesh"], model["learner_devices"]) for _, thread_index in slots)
+    ends = []
+    start = time.perf_counter()
+    for _ in range(args.num_iterations):
+        state, _ = learner_update(state, rollouts)
+        jax.block_until_ready(state)
+        ends.append(time.perf_counter())
+    windows = window_sps(window_boundaries(ends, bench), args.batch_size * bench.iterations)
+    update_time = args.batch_size / median(windows)
+    return dict(sps=median(windows), window_sps=windows, update_time_s=update_time,
+                updates_per_s=1 / update_time, compile_s=ends[0] - start - update_time)
+
+
+def training_phase(script: Path, flags: list) -> dict:
+    """The script run as `python script flags` would run it, in this process (so that its devices can be read)."""
+    sys.argv = [str(script), *flags]
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")  # its sys.exit on failure ends this child with that status
+    return {}
+
+
+def device_peak_mib() -> Optional[dict]:
+    """{device id: peak MiB} where the platform reports memory (GPUs); None on CPU."""
+    import jax
+
+    peaks = {}
+    for device in jax.local_devices():
+        stats = device.memory_stats()
+        if stats and "peak_bytes_in_use" in stats:
+            peaks[str(device.id)] = stats["peak_bytes_in_use"] / 2**20
+    return peaks or None
+
+
+def plan(module, args, bench: BenchmarkArgs) -> dict:
+    """The checked and sized settings, for the parent (which imports neither JAX nor the script)."""
+    return dict(env_id=args.env_id, layout=layout(args), batch_size=args.batch_size, num_envs=args.num_envs,
+                num_steps=args.num_steps, num_iterations=args.num_iterations, total_timesteps=args.total_timesteps,
+                script_args=json.loads(json.dumps(asdict(args), default=str)))
+
+
+def child_main(phase: str, result_path: Path, argv: list):
+    own, flags = split_argv(argv)
+    bench = parse_benchmark_args(own)
+    script = resolve_script(bench.script)
+    if phase in ("sync", "concurrent"):
+        result = training_phase(script, flags)  # flags already hold the benchmark's run settings
+    else:
+        module = load_script(script)
+        args = parse_script_args(module, flags, total_iterations(bench))
+        phase_function = {"plan": plan, "ceiling": ceiling_phase, "actor": actor_phase, "learner": learner_phase}
+        result = phase_function[phase](module, args, bench)
+    if phase != "plan":
+        # The ceiling uses no device: reading memory stats would start a JAX backend (and take GPU memory).
+        result["device_peak_mib"] = None if phase == "ceiling" else device_peak_mib()
+    result_path.write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent: runs each phase as a child, reads what it measured, prints and writes the figures. It imports
+# neither JAX nor the script: a child's ru_maxrss starts from the RSS of the process it was forked from.
+
+
+def child_env() -> dict:
+    """The parent's environment, with this checkout importable by `python -m cleanba.benchmark` from any cwd."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def kill_group(pid: int):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_measured(command, cwd: Path, log_path: Path, timeout: float, shell: bool = False) -> tuple:
+    """Runs a command in its own process group, output to log_path; returns (exit status, wall s, peak RSS MiB).
+    os.wait4 gives the child's ru_maxrss, which includes the descendants it waited for (e.g. a shell's command)."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+                                   shell=shell, start_new_session=True)
+    timer = threading.Timer(timeout, kill_group, (process.pid,))
+    timer.start()
+    try:
+        _, status, usage = os.wait4(process.pid, 0)
+    except BaseException:  # e.g. Ctrl-C: the child is in its own session and did not get it
+        kill_group(process.pid)
+        raise
+    finally:
+        timer.cancel()
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
+    kill_group(process.pid)  # threads or daemons the command may have left behind
+    return process.returncode, time.perf_counter() - start, usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def report_failure(what: str, status: int, log_path: Path, timeout: float):
+    print(flush=True)  # end the progress line
+    output = log_path.read_text(errors="replace")
+    print(f"--- output of {what}\n{output[-20000:]}--- end of output", file=sys.stderr)
+    reason = f"was killed after --timeout={timeout:g} s" if status == -signal.SIGKILL else f"exited with {status}"
+    print(f"benchmark: {what} {reason}; output above, files in {log_path.parent}", file=sys.stderr)
+    # A refusal of the script's flags (exit 2, e.g. a device id this machine lacks) is bad input here too.
+    sys.exit(2 if status == 2 else 1)
+
+
+def child_command(phase: str, result_path: Path, own: list, script: Path, flags: list) -> list:
+    # The script's absolute path last (tyro keeps the last value): children run in other directories.
+    return [sys.executable, "-m", "cleanba.benchmark", CHILD_FLAG, phase, str(result_path), *own, "--script",
+            str(script), "--", *flags]
+
+
+def plan_run(own: list, script: Path, flags: list, workdir: Path) -> dict:
+    """Checks the script and its flags in a child; its refusals (exit 2) go straight to the user."""
+    result_path = workdir / "plan.json"
+    process = subprocess.run(child_command("plan", result_path, own, script, flags), env=child_env())
+    if process.returncode or not result_path.exists():  # refused, or the script's --help was asked for
+        shutil.rmtree(workdir)
+        sys.exit(process.returncode)
+    return json.loads(result_path.read_text())
+
+
+def run_phase(phase: str, own: list, script: Path, flags: list, workdir: Path, timeout: float) -> dict:
+    directory = workdir / phase
+    directory.mkdir()
+    result_path = directory / "result.json"
+    command = child_command(phase, result_path, own, script, flags)
+    status, wall, rss = run_measured(command, directory, directory / "output.log", timeout)
+    if status != 0:
+        report_failure(f"phase {phase}", status, directory / "output.log", timeout)
+    return dict(json.loads(result_path.read_text()), peak_rss_mib=rss, wall_s=wall)
+
+
+def training_flags(flags: list, phase: str, sizes: dict) -> list:
+    """The user's flags, then the benchmark's (tyro keeps the last value of a repeated flag)."""
+    # stats/ are logged every iteration whatever --log-frequency is; the user's (default) frequency keeps the
+    # console line and the metric transfers at the cost a real run pays.
+    return [*flags, "--concurrency" if phase == "concurrent" else "--no-concurrency",
+            "--total-timesteps", str(sizes["total_timesteps"]), "--run-name", phase]
+
+
+def read_stats(run_dir: Path, batch_size: int) -> dict:
+    """{name: (wall times, values)} of the stats/ scalars, ordered by iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    stats = {}
+    for tag in accumulator.Tags()["scalars"]:
+        if tag.startswith("stats/"):
+            events = sorted(accumulator.Scalars(tag), key=lambda e: e.step)
+            assert [e.step for e in events] == [batch_size * (i + 1) for i in range(len(events))], tag
+            stats[tag[len("stats/"):]] = ([e.wall_time for e in events], np.array([e.value for e in events]))
+    return stats
+
+
+def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
+    stats = read_stats(run_dir, sizes["batch_size"])
+    ends, update_times = stats["learner_update_time"]
+    if len(ends) != sizes["num_iterations"]:
+        sys.exit(f"benchmark: {run_dir} holds {len(ends)} iterations, expected {sizes['num_iterations']}")
+    windows = window_sps(window_boundaries(ends, bench), sizes["batch_size"] * bench.iterations)
+    measured = slice(bench.warmup_iterations, None)
+
+    def measured_median(*names):
+        return median(sum(stats[name][1][measured] for name in names))
+
+    update_time = measured_median("learner_update_time")
+    rollout_time = measured_median("actor_rollout_time")
+    return dict(sps=median(windows), window_sps=windows, compile_s=float(update_times[0]) - update_time,
+                actor_compile_s=float(stats["actor_rollout_time"][1][0]) - rollout_time,
+                learner_update_time_s=update_time, actor_rollout_time_s=rollout_time,
+                learner_wait_s=measured_median("rollout_queue_wait"),
+                actor_wait_s=measured_median("param_queue_wait", "actor_rollout_queue_wait"),
+                actor_param_wait_s=measured_median("param_queue_wait"),
+                actor_rollout_queue_wait_s=measured_median("actor_rollout_queue_wait"))
+
+
+def run_reference(command: str, workdir: Path, timeout: float) -> dict:
+    directory = workdir / "reference"
+    directory.mkdir()
+    log_path = directory / "output.log"
+    # The user's current directory, so that relative paths in the command mean what they mean there.
+    status, wall, rss = run_measured(command, Path.cwd(), log_path, timeout, shell=True)
+    if status != 0:
+        report_failure("--reference-command", status, log_path, timeout)
+    figures = SPS_PATTERN.findall(log_path.read_text(errors="replace"))
+    if not figures:
+        sys.exit(f"benchmark: --reference-command printed no 'SPS <number>'; its output is in {log_path}")
+    return dict(sps=float(figures[-1].rstrip(",").replace(",", "")), wall_s=wall, peak_rss_mib=rss,
+                command=command)
+
+
+def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def derived_ratios(phases: dict) -> dict:
+    sps = {name: figures["sps"] for name, figures in phases.items()}
+    get = sps.get
+    ratios = {f"{name}_over_ceiling": ratio(value, get("ceiling")) for name, value in sps.items() if name != "ceiling"}
+    ratios["concurrent_over_sync"] = ratio(get("concurrent"), get("sync"))
+    both_sides = get("actor") is not None and get("learner") is not None
+    ratios["overlap_efficiency"] = ratio(get("concurrent"), min(get("actor"), get("learner"))) if both_sides else None
+    serial = 1 / (1 / get("actor") + 1 / get("learner")) if both_sides else None
+    ratios["sync_efficiency"] = ratio(get("sync"), serial)
+    ours = get("concurrent") or get("sync")
+    ratios["ours_over_reference"] = ratio(ours, get("reference"))
+    return {name: value for name, value in ratios.items() if value is not None}
+
+
+def cell(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if digits == 0 else f"{value:.{digits}f}"
+
+
+def device_cell(peaks) -> str:
+    return "n/a" if not peaks else f"{max(peaks.values()):,.0f}"
+
+
+def table(phases: dict, ratios: dict) -> str:
+    header = f"{'phase':<11}{'SPS':>10}{'/ ceiling':>11}{'compile s':>11}{'learner wait s':>16}{'actor wait s':>14}" \
+             f"{'host MiB':>10}{'device MiB':>12}"
+    lines = [header, "-" * len(header)]
+    for name, figures in phases.items():
+        lines.append(f"{name:<11}{cell(figures['sps'], 0):>10}{cell(ratios.get(f'{name}_over_ceiling')):>11}"
+                     f"{cell(figures.get('compile_s')):>11}{cell(figures.get('learner_wait_s'), 4):>16}"
+                     f"{cell(figures.get('actor_wait_s'), 4):>14}{cell(figures['peak_rss_mib'], 0):>10}"
+                     f"{device_cell(figures.get('device_peak_mib')):>12}")
+    labels = {"concurrent_over_sync": "concurrent / sync",
+              "overlap_efficiency": "overlap efficiency (concurrent / min(actor, learner))",
+              "sync_efficiency": "sync efficiency (sync / (1 / (1/actor + 1/learner)))",
+              "ours_over_reference": "ours / reference"}
+    lines += [f"{label}: {ratios[key]:.2f}" for key, label in labels.items() if key in ratios]
+    return "\n".join(lines)
+
+
+def main(argv: list):
+    if argv[:1] == [CHILD_FLAG]:
+        return child_main(argv[1], Path(argv[2]), argv[3:])
+    own, flags = split_argv(argv)
+    bench = parse_benchmark_args(own)
+    script = resolve_script(bench.script)
+    workdir = Path(tempfile.mkdtemp(prefix="cleanba-benchmark-"))
+    sizes = plan_run(own, script, flags, workdir)
+    json_path = bench.json or Path(f"benchmark-{script.stem}-{sizes['env_id']}.json")
+    print(f"{script.name} on {sizes['env_id']}, {sizes['layout']}: batch_size={sizes['batch_size']} env steps per "
+          f"iteration (num_steps={sizes['num_steps']}); median of {bench.repeats} windows of {bench.iterations} "
+          f"iterations after {bench.warmup_iterations} warm-up iterations", flush=True)
+    phases = {}
+    for phase in [phase for phase in PHASES if phase in bench.phases]:
+        print(f"  {phase} ...", end="", flush=True)
+        phase_flags = training_flags(flags, phase, sizes) if phase in ("sync", "concurrent") else flags
+        phases[phase] = run_phase(phase, own, script, phase_flags, workdir, bench.timeout)
+        print(f" done in {phases[phase]['wall_s']:.0f} s", flush=True)
+    if bench.reference_command:
+        print("  reference ...", end="", flush=True)
+        phases["reference"] = run_reference(bench.reference_command, workdir, bench.timeout)
+        print(f" done in {phases['reference']['wall_s']:.0f} s", flush=True)
+    for phase in ["sync", "concurrent"]:  # read only now: TensorBoard would inflate the children's ru_maxrss
+        if phase in phases:
+            phases[phase].update(training_figures(workdir / phase / "runs" / phase, sizes, bench))
+    shutil.rmtree(workdir)
+    ratios = derived_ratios(phases)
+    print(table(phases, ratios), flush=True)
+    settings = dict(repeats=bench.repeats, warmup_iterations=bench.warmup_iterations, iterations=bench.iterations)
+    report = dict(script=str(script), **sizes, settings=settings, script_flags=flags, phases=phases, ratios=ratios)
+    json_path.write_text(json.dumps(report, indent=2))
+    print(f"figures written to {json_path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,102 @@
+"""The throughput benchmark (python -m cleanba.benchmark) on tiny settings: every phase runs and reports positive
+figures, the table has a row per phase, a two-device layout works, and bad input is refused."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, check_ok, script_env
+
+BENCHMARK = [sys.executable, "-m", "cleanba.benchmark"]
+QUICK = ["--repeats", "2", "--warmup-iterations", "1", "--iterations", "2"]
+SIZES = ["--local-num-envs", "4", "--num-actor-threads", "1"]
+REFERENCE = "echo 'step 64/64 (100%) | SPS 1,234 | return 9.0'"  # a console line like the scripts print
+
+# The figures each phase must report, all positive (seconds, steps per second, MiB).
+FIELDS = {
+    "ceiling": ["sps", "peak_rss_mib", "wall_s"],
+    "actor": ["sps", "peak_rss_mib", "wall_s", "rollout_time_s", "compile_s"],
+    "learner": ["sps", "peak_rss_mib", "wall_s", "update_time_s", "updates_per_s", "compile_s"],
+    "sync": ["sps", "peak_rss_mib", "wall_s", "compile_s", "actor_compile_s", "learner_update_time_s",
+             "actor_rollout_time_s", "learner_wait_s", "actor_wait_s"],
+    "reference": ["sps", "peak_rss_mib", "wall_s"],
+}
+FIELDS["concurrent"] = FIELDS["sync"]
+RATIOS = ["actor_over_ceiling", "learner_over_ceiling", "sync_over_ceiling", "concurrent_over_ceiling",
+          "concurrent_over_sync", "overlap_efficiency", "sync_efficiency", "ours_over_reference"]
+
+
+def benchmark(args: list, tmp_path, devices: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the checkout, whatever the current directory (tmp_path, where the JSON file goes).
+    env = script_env(devices, {"PYTHONPATH": str(ROOT)})
+    return subprocess.run([*BENCHMARK, *map(str, args)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def check_phase(name: str, figures: dict, batch_size: int, repeats: int):
+    for key in FIELDS[name]:
+        assert math.isfinite(figures[key]) and figures[key] > 0, (name, key, figures)
+    if name != "reference":
+        assert len(figures["window_sps"]) == repeats and min(figures["window_sps"]) > 0, (name, figures)
+        assert figures["device_peak_mib"] is None  # CPU devices report no memory statistics
+    if name == "learner":
+        assert figures["sps"] == pytest.approx(batch_size / figures["update_time_s"])
+
+
+def test_every_phase_on_tiny_settings(tmp_path):
+    process = benchmark([*QUICK, "--json", "figures.json", "--reference-command", REFERENCE, "--",
+                         *TINY["ppo"], *SIZES], tmp_path)
+    check_ok(process)
+    report = json.loads((tmp_path / "figures.json").read_text())
+    assert report["batch_size"] == 4 * 16 and report["num_iterations"] == 1 + 2 * 2
+    assert report["layout"].startswith("a0-l0")
+    assert list(report["phases"]) == ["ceiling", "actor", "learner", "sync", "concurrent", "reference"]
+    for name, figures in report["phases"].items():
+        check_phase(name, figures, report["batch_size"], repeats=2)
+    assert report["phases"]["reference"]["sps"] == 1234
+    for key in RATIOS:
+        assert math.isfinite(report["ratios"][key]) and report["ratios"][key] > 0, (key, report["ratios"])
+    phases = report["phases"]
+    assert report["ratios"]["ours_over_reference"] == pytest.approx(phases["concurrent"]["sps"] / 1234)
+    assert report["ratios"]["overlap_efficiency"] == pytest.approx(
+        phases["concurrent"]["sps"] / min(phases["actor"]["sps"], phases["learner"]["sps"]))
+    rows = [line.split()[0] for line in process.stdout.splitlines() if line.split()]
+    for name in report["phases"]:
+        assert name in rows, process.stdout
+    assert "overlap efficiency" in process.stdout and "concurrent / sync" in process.stdout
+    assert not list(tmp_path.glob("runs"))  # the training runs wrote to a temporary directory, now removed
+
+
+def test_actor_and_learner_on_separate_devices(tmp_path):
+    """a0-l1 with IMPALA: the actor phase puts rollouts on another device, the learner runs its mesh there."""
+    process = benchmark([*QUICK, "--script", "impala", "--phases", "actor", "learner", "--json", "figures.json",
+                         "--", *TINY["impala"], *SIZES, "--actor-device-ids", "0", "--learner-device-ids", "1"],
+                        tmp_path, devices=2)
+    check_ok(process)
+    report = json.loads((tmp_path / "figures.json").read_text())
+    assert report["layout"].startswith("a0-l1") and report["script"].endswith("cleanba_impala.py")
+    assert list(report["phases"]) == ["actor", "learner"]
+    for name, figures in report["phases"].items():
+        check_phase(name, figures, report["batch_size"], repeats=2)
+    assert report["ratios"] == {}  # every ratio needs a phase that did not run
+
+
+BAD_INPUT = {
+    "unknown script": (["--script", "no_such_script.py"], "no_such_script.py is not a file"),
+    "not a training script": (["--script", "not_cleanba.py"], "has no Args"),
+    "no iterations": (["--iterations", "0"], "--iterations=0 must be positive"),
+    "refused by the script": (["--", "--env-id", "CartPole-v1", "--local-num-envs", "0"], "--local-num-envs=0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_refused(case, tmp_path):
+    (tmp_path / "not_cleanba.py").write_text("x = 1\n")
+    args, fragment = BAD_INPUT[case]
+    process = benchmark(args, tmp_path, timeout=60)
+    assert process.returncode == 2, process.stderr
+    assert "Traceback" not in process.stderr and "error:" in process.stderr
+    assert fragment in process.stderr, process.stderr
+    assert not list(tmp_path.glob("*.json"))
