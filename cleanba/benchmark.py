@@ -55,6 +55,11 @@ Ratio lines:
     overlap efficiency     concurrent SPS / min(actor SPS, learner SPS): 1 means the overlap is perfect and
                            the run goes as fast as its slower side alone allows.
     sync efficiency        sync SPS / (1 / (1 / actor SPS + 1 / learner SPS)): the same for alternating sides.
+    concurrent / serial bound
+                           concurrent SPS over that same serial bound. Where the actor and the learner share
+                           the same compute (one CPU, one GPU for both), the slower side alone is out of reach:
+                           the other side's work takes cores from it. Then this ratio says what the overlap
+                           gains over taking turns: at most 1 + (faster side's time per iteration / slower side's).
     ours / reference       concurrent SPS (sync SPS without a concurrent phase) over the reference's.
 """
 import importlib.util
@@ -556,6 +561,7 @@ def derived_ratios(phases: dict) -> dict:
     ratios["overlap_efficiency"] = ratio(get("concurrent"), min(get("actor"), get("learner"))) if both_sides else None
     serial = 1 / (1 / get("actor") + 1 / get("learner")) if both_sides else None
     ratios["sync_efficiency"] = ratio(get("sync"), serial)
+    ratios["concurrent_over_serial"] = ratio(get("concurrent"), serial)
     ours = get("concurrent") or get("sync")
     ratios["ours_over_reference"] = ratio(ours, get("reference"))
     return {name: value for name, value in ratios.items() if value is not None}
@@ -583,6 +589,7 @@ def table(phases: dict, ratios: dict) -> str:
     labels = {"concurrent_over_sync": "concurrent / sync",
               "overlap_efficiency": "overlap efficiency (concurrent / min(actor, learner))",
               "sync_efficiency": "sync efficiency (sync / (1 / (1/actor + 1/learner)))",
+              "concurrent_over_serial": "concurrent / serial bound (concurrent / (1 / (1/actor + 1/learner)))",
               "ours_over_reference": "ours / reference"}
     lines += [f"{label}: {ratios[key]:.2f}" for key, label in labels.items() if key in ratios]
     return "\n".join(lines)

@@ -25,7 +25,8 @@ FIELDS = {
 }
 FIELDS["concurrent"] = FIELDS["sync"]
 RATIOS = ["actor_over_ceiling", "learner_over_ceiling", "sync_over_ceiling", "concurrent_over_ceiling",
-          "concurrent_over_sync", "overlap_efficiency", "sync_efficiency", "ours_over_reference"]
+          "concurrent_over_sync", "overlap_efficiency", "sync_efficiency", "concurrent_over_serial",
+          "ours_over_reference"]
 
 
 def benchmark(args: list, tmp_path, devices: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -62,6 +63,8 @@ def test_every_phase_on_tiny_settings(tmp_path):
     assert report["ratios"]["ours_over_reference"] == pytest.approx(phases["concurrent"]["sps"] / 1234)
     assert report["ratios"]["overlap_efficiency"] == pytest.approx(
         phases["concurrent"]["sps"] / min(phases["actor"]["sps"], phases["learner"]["sps"]))
+    serial = 1 / (1 / phases["actor"]["sps"] + 1 / phases["learner"]["sps"])
+    assert report["ratios"]["concurrent_over_serial"] == pytest.approx(phases["concurrent"]["sps"] / serial)
     rows = [line.split()[0] for line in process.stdout.splitlines() if line.split()]
     for name in report["phases"]:
         assert name in rows, process.stdout
