@@ -47,6 +47,10 @@ Figures (one table row per phase; all of them, per window too, in the JSON file)
                    (stats/rollout_queue_wait; large: the actor is the bottleneck).
     actor wait     sync, concurrent: median seconds per iteration an actor waited for params plus to hand over
                    its rollout (stats/param_queue_wait + stats/actor_rollout_queue_wait; large: the learner is).
+    cores          CPU seconds per wall second of the phase's process in a window: all its threads (actors,
+                   learner, EnvPool's workers, XLA's pools), sampled every 50 ms. Next to the cores the machine
+                   has (cpu_cores_available in the JSON) it says whether a phase is compute-bound: a ceiling
+                   that keeps every core busy leaves no room for a policy on the same cores.
     host MiB       peak resident memory of the phase's process (with its JAX, EnvPool and, for sync and
                    concurrent, the whole training run).
     device MiB     the largest peak_bytes_in_use of the local devices (memory_stats(); GPUs). n/a on CPU.
@@ -249,7 +253,7 @@ def join_all(threads: list):
 
 def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
     starts = []  # barrier j releases when every thread has finished window j - 1
-    barrier = threading.Barrier(len(thread_slots(args)), action=lambda: starts.append(time.perf_counter()))
+    barrier = threading.Barrier(len(thread_slots(args)), action=lambda: starts.append(time.time()))
     stop, errors = threading.Event(), []
     threads = [threading.Thread(target=module.run_thread, daemon=True, name=f"env-{thread_index}",
                                 args=(random_actor, stop, errors, module, args, thread_index, bench, barrier))
@@ -260,7 +264,7 @@ def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
     if errors:
         raise first_error(errors)
     windows = window_sps(starts, args.batch_size * bench.iterations)
-    return dict(sps=median(windows), window_sps=windows)
+    return dict(sps=median(windows), window_sps=windows, window_bounds=starts)
 
 
 def build_model(module, args):
@@ -311,7 +315,7 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
         for _ in range(args.num_iterations):  # drain as a learner with instant updates would
             items = [module.queue_get(q, stop) for q in rollout_queues]
             jax.block_until_ready([rollout for rollout, _ in items])
-            ends.append(time.perf_counter())
+            ends.append(time.time())
             rollout_times.append(median([info.rollout_time for _, info in items]))
     except module.StopTraining:
         pass  # an actor failed: raised below
@@ -320,9 +324,10 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
         join_all(threads)
     if errors:
         raise errors[0]
-    windows = window_sps(window_boundaries(ends, bench), args.batch_size * bench.iterations)
+    bounds = window_boundaries(ends, bench)
+    windows = window_sps(bounds, args.batch_size * bench.iterations)
     rollout_time = median(rollout_times[bench.warmup_iterations:])
-    return dict(sps=median(windows), window_sps=windows, rollout_time_s=rollout_time,
+    return dict(sps=median(windows), window_sps=windows, window_bounds=bounds, rollout_time_s=rollout_time,
                 compile_s=rollout_times[0] - rollout_time)
 
 
@@ -355,14 +360,15 @@ def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
     rollouts = tuple(module.put_on_learners(synthetic_rollout(module, args, model["spec"], thread_index, rng),
                                             model["mesh"], model["learner_devices"]) for _, thread_index in slots)
     ends = []
-    start = time.perf_counter()
+    start = time.time()
     for _ in range(args.num_iterations):
         state, _ = learner_update(state, rollouts)
         jax.block_until_ready(state)
-        ends.append(time.perf_counter())
-    windows = window_sps(window_boundaries(ends, bench), args.batch_size * bench.iterations)
+        ends.append(time.time())
+    bounds = window_boundaries(ends, bench)
+    windows = window_sps(bounds, args.batch_size * bench.iterations)
     update_time = args.batch_size / median(windows)
-    return dict(sps=median(windows), window_sps=windows, update_time_s=update_time,
+    return dict(sps=median(windows), window_sps=windows, window_bounds=bounds, update_time_s=update_time,
                 updates_per_s=1 / update_time, compile_s=ends[0] - start - update_time)
 
 
@@ -393,10 +399,20 @@ def plan(module, args, bench: BenchmarkArgs) -> dict:
                 script_args=json.loads(json.dumps(asdict(args), default=str)))
 
 
+def sample_cpu(samples: list, stop: threading.Event):
+    """(wall time, CPU seconds of this process: all its threads, EnvPool's and XLA's too) every 50 ms."""
+    while True:
+        samples.append((time.time(), time.process_time()))
+        if stop.wait(0.05):
+            return
+
+
 def child_main(phase: str, result_path: Path, argv: list):
     own, flags = split_argv(argv)
     bench = parse_benchmark_args(own)
     script = resolve_script(bench.script)
+    samples, stop_sampling = [], threading.Event()
+    threading.Thread(target=sample_cpu, args=(samples, stop_sampling), daemon=True, name="cpu-sampler").start()
     if phase in ("sync", "concurrent"):
         result = training_phase(script, flags)  # flags already hold the benchmark's run settings
     else:
@@ -404,7 +420,10 @@ def child_main(phase: str, result_path: Path, argv: list):
         args = parse_script_args(module, flags, total_iterations(bench))
         phase_function = {"plan": plan, "ceiling": ceiling_phase, "actor": actor_phase, "learner": learner_phase}
         result = phase_function[phase](module, args, bench)
+    stop_sampling.set()
+    samples.append((time.time(), time.process_time()))
     if phase != "plan":
+        result["cpu_samples"] = samples
         # The ceiling uses no device: reading memory stats would start a JAX backend (and take GPU memory).
         result["device_peak_mib"] = None if phase == "ceiling" else device_peak_mib()
     result_path.write_text(json.dumps(result))
@@ -516,7 +535,8 @@ def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
     ends, update_times = stats["learner_update_time"]
     if len(ends) != sizes["num_iterations"]:
         sys.exit(f"benchmark: {run_dir} holds {len(ends)} iterations, expected {sizes['num_iterations']}")
-    windows = window_sps(window_boundaries(ends, bench), sizes["batch_size"] * bench.iterations)
+    bounds = window_boundaries(ends, bench)
+    windows = window_sps(bounds, sizes["batch_size"] * bench.iterations)
     measured = slice(bench.warmup_iterations, None)
 
     def measured_median(*names):
@@ -524,13 +544,21 @@ def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
 
     update_time = measured_median("learner_update_time")
     rollout_time = measured_median("actor_rollout_time")
-    return dict(sps=median(windows), window_sps=windows, compile_s=float(update_times[0]) - update_time,
+    return dict(sps=median(windows), window_sps=windows, window_bounds=bounds,
+                compile_s=float(update_times[0]) - update_time,
                 actor_compile_s=float(stats["actor_rollout_time"][1][0]) - rollout_time,
                 learner_update_time_s=update_time, actor_rollout_time_s=rollout_time,
                 learner_wait_s=measured_median("rollout_queue_wait"),
                 actor_wait_s=measured_median("param_queue_wait", "actor_rollout_queue_wait"),
                 actor_param_wait_s=measured_median("param_queue_wait"),
                 actor_rollout_queue_wait_s=measured_median("actor_rollout_queue_wait"))
+
+
+def busy_cores(figures: dict) -> dict:
+    """CPU seconds per wall second of the phase's process in each window (all its threads), from the samples."""
+    times, cpu = np.array(figures.pop("cpu_samples")).T
+    used = np.diff(np.interp(figures["window_bounds"], times, cpu)) / np.diff(figures["window_bounds"])
+    return dict(cores=median(used), window_cores=used.tolist())
 
 
 def run_reference(command: str, workdir: Path, timeout: float) -> dict:
@@ -579,12 +607,13 @@ def device_cell(peaks) -> str:
 
 def table(phases: dict, ratios: dict) -> str:
     header = f"{'phase':<11}{'SPS':>10}{'/ ceiling':>11}{'compile s':>11}{'learner wait s':>16}{'actor wait s':>14}" \
-             f"{'host MiB':>10}{'device MiB':>12}"
+             f"{'cores':>7}{'host MiB':>10}{'device MiB':>12}"
     lines = [header, "-" * len(header)]
     for name, figures in phases.items():
         lines.append(f"{name:<11}{cell(figures['sps'], 0):>10}{cell(ratios.get(f'{name}_over_ceiling')):>11}"
                      f"{cell(figures.get('compile_s')):>11}{cell(figures.get('learner_wait_s'), 4):>16}"
-                     f"{cell(figures.get('actor_wait_s'), 4):>14}{cell(figures['peak_rss_mib'], 0):>10}"
+                     f"{cell(figures.get('actor_wait_s'), 4):>14}{cell(figures.get('cores'), 1):>7}"
+                     f"{cell(figures['peak_rss_mib'], 0):>10}"
                      f"{device_cell(figures.get('device_peak_mib')):>12}")
     labels = {"concurrent_over_sync": "concurrent / sync",
               "overlap_efficiency": "overlap efficiency (concurrent / min(actor, learner))",
@@ -606,7 +635,8 @@ def main(argv: list):
     json_path = bench.json or Path(f"benchmark-{script.stem}-{sizes['env_id']}.json")
     print(f"{script.name} on {sizes['env_id']}, {sizes['layout']}: batch_size={sizes['batch_size']} env steps per "
           f"iteration (num_steps={sizes['num_steps']}); median of {bench.repeats} windows of {bench.iterations} "
-          f"iterations after {bench.warmup_iterations} warm-up iterations", flush=True)
+          f"iterations after {bench.warmup_iterations} warm-up iterations; {len(os.sched_getaffinity(0))} CPU "
+          f"cores", flush=True)
     phases = {}
     for phase in [phase for phase in PHASES if phase in bench.phases]:
         print(f"  {phase} ...", end="", flush=True)
@@ -620,11 +650,15 @@ def main(argv: list):
     for phase in ["sync", "concurrent"]:  # read only now: TensorBoard would inflate the children's ru_maxrss
         if phase in phases:
             phases[phase].update(training_figures(workdir / phase / "runs" / phase, sizes, bench))
+    for figures in phases.values():
+        if "cpu_samples" in figures:
+            figures.update(busy_cores(figures))
     shutil.rmtree(workdir)
     ratios = derived_ratios(phases)
     print(table(phases, ratios), flush=True)
     settings = dict(repeats=bench.repeats, warmup_iterations=bench.warmup_iterations, iterations=bench.iterations)
-    report = dict(script=str(script), **sizes, settings=settings, script_flags=flags, phases=phases, ratios=ratios)
+    report = dict(script=str(script), **sizes, cpu_cores_available=len(os.sched_getaffinity(0)), settings=settings,
+                  script_flags=flags, phases=phases, ratios=ratios)
     json_path.write_text(json.dumps(report, indent=2))
     print(f"figures written to {json_path}")
 

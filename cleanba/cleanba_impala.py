@@ -260,7 +260,7 @@ def max_pool(x):
     """nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") with the same values and bitwise the same gradients.
 
     XLA:CPU's max-pool gradient (select_and_scatter) is 30% of the default network's gradient time; this one
-    costs a third of that (README "Performance"). The forward pass computes the same maxima."""
+    costs at most a third of that (README "Performance"). The forward pass computes the same maxima."""
     return reduce(jnp.maximum, pool_windows(x)[0])
 
 

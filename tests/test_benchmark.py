@@ -16,10 +16,10 @@ REFERENCE = "echo 'step 64/64 (100%) | SPS 1,234 | return 9.0'"  # a console lin
 
 # The figures each phase must report, all positive (seconds, steps per second, MiB).
 FIELDS = {
-    "ceiling": ["sps", "peak_rss_mib", "wall_s"],
-    "actor": ["sps", "peak_rss_mib", "wall_s", "rollout_time_s", "compile_s"],
-    "learner": ["sps", "peak_rss_mib", "wall_s", "update_time_s", "updates_per_s", "compile_s"],
-    "sync": ["sps", "peak_rss_mib", "wall_s", "compile_s", "actor_compile_s", "learner_update_time_s",
+    "ceiling": ["sps", "cores", "peak_rss_mib", "wall_s"],
+    "actor": ["sps", "cores", "peak_rss_mib", "wall_s", "rollout_time_s", "compile_s"],
+    "learner": ["sps", "cores", "peak_rss_mib", "wall_s", "update_time_s", "updates_per_s", "compile_s"],
+    "sync": ["sps", "cores", "peak_rss_mib", "wall_s", "compile_s", "actor_compile_s", "learner_update_time_s",
              "actor_rollout_time_s", "learner_wait_s", "actor_wait_s"],
     "reference": ["sps", "peak_rss_mib", "wall_s"],
 }
@@ -36,11 +36,15 @@ def benchmark(args: list, tmp_path, devices: int = 1, timeout: float = 240) -> s
                           timeout=timeout)
 
 
-def check_phase(name: str, figures: dict, batch_size: int, repeats: int):
+def check_phase(name: str, figures: dict, batch_size: int, repeats: int, cores_available: int):
     for key in FIELDS[name]:
         assert math.isfinite(figures[key]) and figures[key] > 0, (name, key, figures)
     if name != "reference":
         assert len(figures["window_sps"]) == repeats and min(figures["window_sps"]) > 0, (name, figures)
+        # CPU seconds per wall second: a unit slip (ticks, ns) or windows on another clock would break this.
+        assert len(figures["window_cores"]) == repeats and min(figures["window_cores"]) > 0, (name, figures)
+        assert max(figures["window_cores"]) <= 1.25 * cores_available, (name, figures)
+        assert "cpu_samples" not in figures
         assert figures["device_peak_mib"] is None  # CPU devices report no memory statistics
     if name == "learner":
         assert figures["sps"] == pytest.approx(batch_size / figures["update_time_s"])
@@ -55,7 +59,7 @@ def test_every_phase_on_tiny_settings(tmp_path):
     assert report["layout"].startswith("a0-l0")
     assert list(report["phases"]) == ["ceiling", "actor", "learner", "sync", "concurrent", "reference"]
     for name, figures in report["phases"].items():
-        check_phase(name, figures, report["batch_size"], repeats=2)
+        check_phase(name, figures, report["batch_size"], repeats=2, cores_available=report["cpu_cores_available"])
     assert report["phases"]["reference"]["sps"] == 1234
     for key in RATIOS:
         assert math.isfinite(report["ratios"][key]) and report["ratios"][key] > 0, (key, report["ratios"])
@@ -82,7 +86,7 @@ def test_actor_and_learner_on_separate_devices(tmp_path):
     assert report["layout"].startswith("a0-l1") and report["script"].endswith("cleanba_impala.py")
     assert list(report["phases"]) == ["actor", "learner"]
     for name, figures in report["phases"].items():
-        check_phase(name, figures, report["batch_size"], repeats=2)
+        check_phase(name, figures, report["batch_size"], repeats=2, cores_available=report["cpu_cores_available"])
     assert report["ratios"] == {}  # every ratio needs a phase that did not run
 
 
