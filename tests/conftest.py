@@ -30,8 +30,10 @@ def script_env(devices: int = 1, env: dict = None) -> dict:
     flags = environment.get("XLA_FLAGS", "")
     environment["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     environment.setdefault("JAX_PLATFORMS", "cpu")
-    # Runs of the same tiny programs share compiled executables across the suite (same results, less time).
-    environment.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
+    # Runs of the same tiny programs share compiled executables across the suite (same results, less time);
+    # one cache per pytest-xdist worker, so that no run reads an entry another worker is writing.
+    cache = f"jax-compilation-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+    environment.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / cache))
     environment["PYTHONUNBUFFERED"] = "1"
     return environment
 
