@@ -21,8 +21,15 @@ the peak host memory of each is measured alone (ru_maxrss of the child, from os.
                 computation. The fastest the actors could ever go on this machine.
     actor       the script's own actor threads (rollout_actor: policy inference, rollout storage, transfer to
                 the learner devices), fed the initial params without waiting and drained at once: no learning.
+                Also where an actor's time goes, from the script's own stats/actor_*_time (perf_counter sums per
+                rollout): inference (dispatch), device_to_host (waits for the inference result), env_send,
+                env_recv, storage (rollout and episode bookkeeping), host_to_device (put_on_learners).
     learner     the script's jitted update on synthetic rollouts of the real global size (random observations
                 and actions, env ids as a real run assigns them), no envs.
+                Before running it, XLA's own memory analysis of the compiled update and of one minibatch gradient
+                step (update_minibatch on the batch the update hands it): what the learner allocates on its
+                device besides params and rollouts. The update should need little more than one minibatch step,
+                and --gradient-accumulation-steps should lower both (on accelerators; on CPU loops are unrolled).
     sync        the training script itself with --no-concurrency: actor and learner alternate.
     concurrent  the training script itself with --concurrency: they overlap, the actor one policy behind.
     reference   optional (--reference-command): any command, run in a shell in the current directory; its
@@ -79,7 +86,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -91,7 +99,8 @@ SCRIPTS = {"ppo": Path(__file__).with_name("cleanba_ppo.py"), "impala": Path(__f
 # What the benchmark calls in a training script; a fork must keep these names and signatures.
 SCRIPT_FUNCTIONS = ("Args", "check_args", "check_devices", "fill_runtime_sizes", "make_env", "env_kwargs", "Agent",
                     "make_policy", "rollout_actor", "put_on_learners", "make_learner_update", "make_optimizer",
-                    "Rollout", "first_replica", "queue_get", "queue_put", "run_thread", "StopTraining")
+                    "Rollout", "first_replica", "queue_get", "queue_put", "run_thread", "StopTraining",
+                    "learner_shards", "update_minibatch")
 SPS_PATTERN = re.compile(r"SPS[^0-9]*([0-9][0-9,]*\.?[0-9]*)")
 CHILD_FLAG = "--phase-child"  # internal: `--phase-child PHASE RESULT_FILE` runs one phase in this process
 
@@ -308,7 +317,7 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
                   model["mesh"], model["learner_devices"], policy, param_queues[slot], rollout_queues[slot])))
         threads.append(threading.Thread(target=module.run_thread, daemon=True, name=f"feeder-{thread_index}",
                                         args=(feed_params, stop, errors, module, param_queues[slot], params)))
-    ends, rollout_times = [], []
+    ends, rollout_times, timings = [], [], []
     try:
         for thread in threads:
             thread.start()
@@ -317,6 +326,7 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
             jax.block_until_ready([rollout for rollout, _ in items])
             ends.append(time.time())
             rollout_times.append(median([info.rollout_time for _, info in items]))
+            timings.append({name: median([info.timings[name] for _, info in items]) for name in items[0][1].timings})
     except module.StopTraining:
         pass  # an actor failed: raised below
     finally:
@@ -327,8 +337,10 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     bounds = window_boundaries(ends, bench)
     windows = window_sps(bounds, args.batch_size * bench.iterations)
     rollout_time = median(rollout_times[bench.warmup_iterations:])
+    measured = timings[bench.warmup_iterations:]
     return dict(sps=median(windows), window_sps=windows, window_bounds=bounds, rollout_time_s=rollout_time,
-                compile_s=rollout_times[0] - rollout_time)
+                compile_s=rollout_times[0] - rollout_time,
+                actor_timings_s={name: median([t[name] for t in measured]) for name in measured[0]})
 
 
 def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Generator):
@@ -349,18 +361,83 @@ def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Gene
         valid=np.ones((T, n), bool), env_ids=np.arange(first_env, first_env + n, dtype=np.int32))
 
 
+def rollout_structs(module, args, model) -> tuple:
+    """One iteration's rollouts as the learner receives them (padded and sharded over the learner devices), as
+    shapes and dtypes only: for compiling at sizes that would not fit in this machine's memory or time."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    T, rng = 1, np.random.default_rng(0)  # one step suffices for the dtypes; shapes are set below
+    example = synthetic_rollout(module, replace(args, num_steps=T), model["spec"], 0, rng)
+    shards = module.learner_shards(args, example.env_ids, len(model["learner_devices"]))
+    width = (shards[0][0].stop - shards[0][0].start + len(shards[0][1])) * model["mesh"].size
+    structs = []
+    for name, x in zip(module.Rollout._fields, example):
+        shape = (width,) if x.ndim == 1 else (args.num_steps + x.shape[0] - T, width, *x.shape[2:])
+        spec = P("learner") if x.ndim == 1 else P(None, "learner")
+        structs.append(jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(model["mesh"], spec)))
+    return (module.Rollout(*structs),) * len(thread_slots(args))
+
+
+def compile_learner(module, args, model, rollouts: tuple, unroll: Optional[bool] = None):
+    """The script's learner update compiled for rollouts (arrays or ShapeDtypeStructs), and XLA's own memory
+    analysis of it and of one minibatch gradient step (update_minibatch on the batch shapes that the update hands
+    it, recorded while tracing). Nothing runs: the figures are what XLA plans to allocate on the learner device.
+    unroll=None compiles loops as training on this platform does (unrolled on CPU); False as on accelerators."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    recorded, original = [], module.update_minibatch
+
+    def recording(agent, args, unroll, state, batch):
+        recorded.append(jax.tree.map(lambda x: (x.shape, x.dtype), batch))
+        return original(agent, args, unroll, state, batch)
+
+    update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts),
+                                        unroll=unroll)
+    module.update_minibatch = recording
+    try:
+        compiled = update.lower(model["state"], rollouts).compile()
+    finally:
+        module.update_minibatch = original
+    if unroll is None:  # as make_learner_update decides it
+        unroll = model["mesh"].devices.flat[0].platform == "cpu"
+    # update_minibatch's batch is per device, every field (rows, envs, ...): the global batch has envs x devices.
+    sharding = jax.sharding.NamedSharding(model["mesh"], P(None, "learner"))
+    batch = jax.tree.map(lambda sd: jax.ShapeDtypeStruct((sd[0][0], sd[0][1] * model["mesh"].size, *sd[0][2:]),
+                                                         sd[1], sharding=sharding),
+                         recorded[0], is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
+    step = jax.jit(jax.shard_map(partial(original, model["agent"], args, unroll), mesh=model["mesh"],
+                                 in_specs=(P(), P(None, "learner")), out_specs=(P(), P()), check_vma=False))
+    step_analysis = step.lower(model["state"], batch).compile().memory_analysis()
+    analysis = compiled.memory_analysis()
+    mib = 1 / 2**20
+    memory = dict(unrolled=bool(unroll), update_temp_mib=analysis.temp_size_in_bytes * mib,
+                  update_argument_mib=analysis.argument_size_in_bytes * mib,
+                  update_output_mib=analysis.output_size_in_bytes * mib,
+                  minibatch_step_temp_mib=step_analysis.temp_size_in_bytes * mib)
+    memory["update_over_minibatch_step"] = memory["update_temp_mib"] / memory["minibatch_step_temp_mib"]
+    return compiled, memory
+
+
+def learner_memory(module, args, unroll: Optional[bool] = None) -> dict:
+    """compile_learner's memory figures from shapes only, for args already checked and sized."""
+    model = build_model(module, args)
+    return compile_learner(module, args, model, rollout_structs(module, args, model), unroll)[1]
+
+
 def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
     import jax
 
     model = build_model(module, args)
     state = model["state"]
     slots = thread_slots(args)
-    learner_update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(slots))
     rng = np.random.default_rng(args.seed)
-    rollouts = tuple(module.put_on_learners(synthetic_rollout(module, args, model["spec"], thread_index, rng),
+    rollouts = tuple(module.put_on_learners(args, synthetic_rollout(module, args, model["spec"], thread_index, rng),
                                             model["mesh"], model["learner_devices"]) for _, thread_index in slots)
-    ends = []
     start = time.time()
+    learner_update, memory = compile_learner(module, args, model, rollouts)
+    ends = []
     for _ in range(args.num_iterations):
         state, _ = learner_update(state, rollouts)
         jax.block_until_ready(state)
@@ -369,7 +446,7 @@ def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
     windows = window_sps(bounds, args.batch_size * bench.iterations)
     update_time = args.batch_size / median(windows)
     return dict(sps=median(windows), window_sps=windows, window_bounds=bounds, update_time_s=update_time,
-                updates_per_s=1 / update_time, compile_s=ends[0] - start - update_time)
+                updates_per_s=1 / update_time, compile_s=ends[0] - start - update_time, learner_memory=memory)
 
 
 def training_phase(script: Path, flags: list) -> dict:
@@ -621,6 +698,16 @@ def table(phases: dict, ratios: dict) -> str:
               "concurrent_over_serial": "concurrent / serial bound (concurrent / (1 / (1/actor + 1/learner)))",
               "ours_over_reference": "ours / reference"}
     lines += [f"{label}: {ratios[key]:.2f}" for key, label in labels.items() if key in ratios]
+    if "actor" in phases:  # the script's own stats/actor_*_time, median seconds per rollout of one actor thread
+        timings = phases["actor"]["actor_timings_s"]
+        lines.append("actor time per rollout (s): " + ", ".join(f"{name} {value:.3f}" for name, value in timings.items())
+                     + f" (rollout {phases['actor']['rollout_time_s']:.3f})")
+    if "learner" in phases:
+        memory = phases["learner"]["learner_memory"]
+        lines.append(f"learner device memory (XLA's analysis, {'unrolled' if memory['unrolled'] else 'rolled'} loops): "
+                     f"update temp {memory['update_temp_mib']:,.0f} MiB, one minibatch step temp "
+                     f"{memory['minibatch_step_temp_mib']:,.0f} MiB (x{memory['update_over_minibatch_step']:.2f}), "
+                     f"update arguments {memory['update_argument_mib']:,.0f} MiB")
     return "\n".join(lines)
 
 

@@ -158,14 +158,30 @@ def fail(message: str):
     sys.exit(2)
 
 
+# The meaningful range of every numeric flag, "[" and "]" including the bound, "(" and ")" excluding it. A value
+# outside it (NaN included) is refused before anything starts, rather than found hours into a run.
+FLAG_RANGES = {
+    "seed": "[0, inf)", "total_timesteps": "[1, inf)", "learning_rate": "(0, inf)", "local_num_envs": "[1, inf)",
+    "num_actor_threads": "[1, inf)", "num_steps": "[1, inf)", "gamma": "[0, 1]", "gae_lambda": "[0, 1]",
+    "num_minibatches": "[1, inf)", "gradient_accumulation_steps": "[1, inf)", "update_epochs": "[1, inf)",
+    "clip_coef": "(0, 1]", "ent_coef": "[0, inf)", "vf_coef": "(0, inf)", "max_grad_norm": "(0, inf)",
+    "hidden_dim": "[1, inf)", "log_frequency": "[1, inf)", "eval_episodes": "[0, inf)", "heartbeat_timeout": "[1, inf)",
+    "stall_timeout": "[0, inf)", "checkpoint_frequency": "[0, inf)",
+}
+
+
+def in_range(value: float, interval: str) -> bool:
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = value >= low if interval[0] == "[" else value > low
+    below = value <= high if interval[-1] == "]" else value < high
+    return above and below
+
+
 def check_args(args: Args):
-    for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
-                 "gradient_accumulation_steps", "total_timesteps", "log_frequency", "hidden_dim", "heartbeat_timeout"]:
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
-    for name in ["checkpoint_frequency", "stall_timeout", "eval_episodes"]:
-        if getattr(args, name) < 0:
-            fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be 0 (off) or positive")
+    for name, interval in FLAG_RANGES.items():
+        if not in_range(getattr(args, name), interval):
+            fail(f"--{name.replace('_', '-')}={getattr(args, name)} is outside its meaningful range {interval}; "
+                 f"give a value in {interval}")
     if (args.capture_video or args.upload_model) and not (args.save_model and args.eval_episodes):
         fail("--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
              "(and keep --eval-episodes above 0)")
@@ -175,14 +191,11 @@ def check_args(args: Args):
         check_hub_login()
     if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
         fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
-    if args.learning_rate <= 0 or not args.channels or min(args.channels) <= 0:
-        fail("--learning-rate and every --channels entry must be positive")
+    if not args.channels or min(args.channels) <= 0:
+        fail(f"--channels {' '.join(map(str, args.channels))}: give one or more positive channel counts")
     for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
         if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
             fail(f"{flag} {' '.join(map(str, ids))}: give one or more distinct, non-negative local device ids")
-    if args.local_num_envs % len(args.learner_device_ids):
-        fail(f"--local-num-envs={args.local_num_envs} is not divisible by {len(args.learner_device_ids)} learner "
-             f"devices; use a multiple of {len(args.learner_device_ids)}")
     slots = args.num_minibatches * args.gradient_accumulation_steps
     if args.num_steps % slots:
         fail(f"--num-steps={args.num_steps} must be divisible by --num-minibatches x --gradient-accumulation-steps "
@@ -220,6 +233,12 @@ def fill_runtime_sizes(args: Args, world_size: int, local_rank: int):
     if args.num_iterations == 0:
         fail(f"--total-timesteps={args.total_timesteps} is smaller than one batch of {args.batch_size} steps "
              f"(num_envs={args.num_envs} x num_steps={args.num_steps}); raise it or shrink the batch")
+
+
+def env_groups(args: Args) -> tuple:
+    """(groups, multiple): each learner device must hold the same number of envs of each of `groups` groups, a
+    multiple of `multiple` (learner_shards). PPO minibatches take time steps of every env: any split will do."""
+    return 1, 1
 
 
 def is_atari(env_id: str) -> bool:
@@ -367,6 +386,7 @@ class RolloutInfo(NamedTuple):
     rollout_time: float
     episode_returns: list
     episode_lengths: list
+    timings: dict  # seconds per part of the rollout (Stopwatch)
 
 
 class StopTraining(Exception):
@@ -405,19 +425,58 @@ def make_policy(agent: Agent, action_key):
     return policy
 
 
-def put_on_learners(rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
-    """Split along envs, one transfer per leaf and learner device, and assemble the global sharded arrays."""
+def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
+    """How one actor thread's envs go to the local learner devices: for each device, the slice of the envs it
+    gets and the ids of the pad envs that fill it up to the common width.
 
-    def put(x: np.ndarray):
-        axis = 0 if x.ndim == 1 else 1
-        chunks = np.split(x, len(local_learner_devices), axis=axis)
-        shards = [jax.device_put(chunk, device) for chunk, device in zip(chunks, local_learner_devices)]
-        global_shape = list(x.shape)
-        global_shape[axis] *= mesh.size // len(local_learner_devices)  # every process adds its own envs
+    The learner needs the same number of envs on every device, and of each minibatch group (env_groups) on each.
+    Where the envs do not split so, masked pad envs make up the difference, whatever the number of devices: every
+    step of a pad env is invalid, so it adds nothing to any sum, mean or count. Pad ids are negative, congruent to
+    the group they fill (id % groups), and cost at most the padding in learner compute."""
+    groups, multiple = env_groups(args)
+    per_group = -(-(-(-len(env_ids) // num_devices)) // groups)  # ceil(ceil(envs / devices) / groups)
+    per_group = -(-per_group // multiple) * multiple
+    bounds = np.cumsum([0] + [len(part) for part in np.array_split(env_ids, num_devices)])
+    shards = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        counts = np.bincount(env_ids[start:end] % groups, minlength=groups)
+        pad_ids = [np.full(per_group - count, group - groups, np.int32) for group, count in enumerate(counts)]
+        shards.append((slice(start, end), np.concatenate(pad_ids)))
+    return shards
+
+
+def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
+    """Split along envs (padded where they do not split evenly), one transfer per leaf and learner device, and
+    assemble the global sharded arrays."""
+    shards = learner_shards(args, rollout.env_ids, len(local_learner_devices))
+
+    def put(name: str, x: np.ndarray):
+        axis = 0 if name == "env_ids" else 1  # every other field is time-major
+        parts = []
+        for (envs, pad_ids), device in zip(shards, local_learner_devices):
+            part = x[envs] if axis == 0 else x[:, envs]
+            if len(pad_ids):  # zeros: invalid steps (valid False); a view, not a copy, where nothing is padded
+                pad = pad_ids if axis == 0 else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]), x.dtype)
+                part = np.concatenate([part, pad], axis=axis)
+            parts.append(jax.device_put(part, device))
+        global_shape = list(parts[0].shape)
+        global_shape[axis] *= mesh.size  # every learner device of every process holds the same width
         spec = P("learner") if axis == 0 else P(None, "learner")
-        return jax.make_array_from_single_device_arrays(tuple(global_shape), NamedSharding(mesh, spec), shards)
+        return jax.make_array_from_single_device_arrays(tuple(global_shape), NamedSharding(mesh, spec), parts)
 
-    return jax.tree.map(put, rollout)
+    return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
+
+
+class Stopwatch:
+    """Sums of perf_counter intervals by name: where an actor's rollout time goes (stats/actor_*_time)."""
+
+    def __init__(self):
+        self.sums, self.last = {}, time.perf_counter()
+
+    def lap(self, name: str):
+        now = time.perf_counter()
+        self.sums[name] = self.sums.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, mesh: Mesh,
@@ -432,6 +491,10 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
         episode_returns, episode_lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
         envs.async_reset()
         next_obs, _, _, _, info = envs.recv()
+        # EnvPool resets an env on the step after its episode ends (a lost life too, with episodic_life): that step
+        # ignores the action and must not be learned from (cleanrl issue 562). Its elapsed_step is 0 only after a
+        # real game over, so the mask follows the done flags of the step before.
+        resetting = np.zeros(n, bool)
         # The step counter keys the action sampling; a resumed run continues it (envs restart from a reset:
         # EnvPool's state cannot be saved).
         rollout_queue_wait, step = 0.0, (start_iteration - 1) * T
@@ -443,6 +506,7 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
                 policy_version, params = queue_get(param_queue, stop)
                 params = jax.device_put(params, device)
             param_queue_wait = time.time() - start
+            clock = Stopwatch()
             storage = Rollout(
                 obs=np.empty((T + 1, n, *next_obs.shape[1:]), next_obs.dtype),
                 actions=np.empty((T, n), np.int32), logprobs=np.empty((T, n), np.float32),
@@ -451,15 +515,20 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
             finished_returns, finished_lengths = [], []
             for t in range(T):
                 storage.obs[t] = next_obs
-                actions, logprobs = jax.device_get(policy(params, next_obs, env_ids_on_device, step))
+                clock.lap("storage")
+                actions, logprobs = policy(params, next_obs, env_ids_on_device, step)
+                clock.lap("inference")  # dispatch only: device_to_host waits for the result (no extra sync)
+                actions, logprobs = jax.device_get((actions, logprobs))
+                clock.lap("device_to_host")
                 envs.send(actions, info["env_id"])
+                clock.lap("env_send")
                 next_obs, reward, terminated, truncated, info = envs.recv()
+                clock.lap("env_recv")
                 step += 1
                 storage.actions[t], storage.logprobs[t], storage.rewards[t] = actions, logprobs, reward
                 storage.terminations[t], storage.truncations[t] = terminated, truncated
-                # EnvPool resets on the step after an episode ends: that step returns the reset obs with
-                # elapsed_step 0 and reward 0, and must not be learned from (cleanrl issue 562).
-                storage.valid[t] = info["elapsed_step"] > 0
+                storage.valid[t] = ~resetting
+                resetting = terminated | truncated
                 # Scores are raw game rewards until the real game over (not a lost life, not clipped). EnvPool's
                 # info["terminated"] is int32: unconverted, it would index envs 0 and 1 instead of masking.
                 episode_returns += info.get("reward", reward)
@@ -469,10 +538,13 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
                     finished_returns.append(float(episode_returns[i]))
                     finished_lengths.append(int(episode_lengths[i]))
                 episode_returns[game_over], episode_lengths[game_over] = 0.0, 0
+                clock.lap("storage")
             storage.obs[T] = next_obs
-            rollout = put_on_learners(storage, mesh, local_learner_devices)
+            rollout = put_on_learners(args, storage, mesh, local_learner_devices)
+            clock.lap("host_to_device")
             rollout_info = RolloutInfo(policy_version, param_queue_wait, rollout_queue_wait,
-                                       time.time() - start - param_queue_wait, finished_returns, finished_lengths)
+                                       time.time() - start - param_queue_wait, finished_returns, finished_lengths,
+                                       clock.sums)
             start = time.time()
             queue_put(rollout_queue, (rollout, rollout_info), stop)
             rollout_queue_wait = time.time() - start  # reported with the next rollout
@@ -525,7 +597,16 @@ def ppo_loss(agent: Agent, args: Args, params, batch: dict, count):
     return metrics["loss"], metrics
 
 
-def update_minibatch(agent: Agent, args: Args, state: TrainState, batch: dict):
+def summed_gradients(grad_fn, params, micro_batches: dict, count, unroll: bool):
+    """The sum of grad_fn's (gradients, metrics) over micro-batches stacked on axis 0: the minibatch's. A scan, so
+    that (rolled, off CPU) one micro-batch's activations are alive at a time: what makes accumulation save memory."""
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, count))
+    accumulate = lambda sums, micro_batch: (jax.tree.map(jnp.add, sums, grad_fn(params, micro_batch, count)), None)
+    return jax.lax.scan(accumulate, zeros, micro_batches, unroll=unroll)[0]
+
+
+def update_minibatch(agent: Agent, args: Args, unroll: bool, state: TrainState, batch: dict):
     mask = batch["valid"].astype(jnp.float32)
     count = jnp.maximum(jax.lax.psum(jnp.sum(mask), "learner"), 1.0)
     if args.norm_adv:
@@ -534,22 +615,28 @@ def update_minibatch(agent: Agent, args: Args, state: TrainState, batch: dict):
         batch["advantages"] = (batch["advantages"] - mean) / (std + 1e-8)
     batch["valid"] = mask
     grad_fn = jax.grad(partial(ppo_loss, agent, args), has_aux=True)
-    grads, metrics = None, None
-    for micro in range(args.gradient_accumulation_steps):  # summed micro-batch gradients = minibatch gradient
-        size = batch["actions"].shape[0] // args.gradient_accumulation_steps
-        micro_batch = jax.tree.map(lambda x: x[micro * size:(micro + 1) * size], batch)
-        g, m = grad_fn(state.params, micro_batch, count)
-        grads, metrics = (g, m) if grads is None else jax.tree.map(jnp.add, (grads, metrics), (g, m))
+    # Micro-batches: the minibatch's time rows cut in gradient_accumulation_steps parts.
+    micro_batches = jax.tree.map(lambda x: x.reshape(args.gradient_accumulation_steps, -1, *x.shape[1:]), batch)
+    grads, metrics = summed_gradients(grad_fn, state.params, micro_batches, count, unroll)
     grads, metrics = jax.lax.psum((grads, metrics), "learner")
     return state.apply_gradients(grads=grads), metrics
 
 
-def ppo_update(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
+def rollout_values(agent: Agent, params, obs, chunk_steps: int, unroll: bool):
+    """Values of (T + 1, n) observations, chunk_steps time steps at a time, then the last row. One forward pass over
+    the whole rollout would hold all its activations at once (the first conv's alone: 7.5 GB at the default Atari
+    sizes), so peak learner memory would follow the rollout instead of the micro-batch (issue 14)."""
+    value = lambda o: agent.apply(params, o.reshape(-1, *o.shape[2:]))[1].reshape(o.shape[:2])
+    chunks = obs[:-1].reshape(-1, chunk_steps, *obs.shape[1:])
+    _, values = jax.lax.scan(lambda carry, o: (carry, value(o)), None, chunks, unroll=unroll)
+    return jnp.concatenate([values.reshape(-1, obs.shape[1]), value(obs[-1:])])
+
+
+def ppo_update(agent: Agent, args: Args, shuffle_key, unroll: bool, state: TrainState, rollouts: tuple):
     """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
     ro = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0 if xs[0].ndim == 1 else 1), *rollouts)
-    obs_shape = ro.obs.shape[2:]
-    _, values = agent.apply(state.params, ro.obs.reshape(-1, *obs_shape))
-    values = values.reshape(ro.obs.shape[:2])
+    chunk_steps = args.num_steps // (args.num_minibatches * args.gradient_accumulation_steps)  # a micro-batch
+    values = rollout_values(agent, state.params, ro.obs, chunk_steps, unroll)
     advantages, returns = compute_gae(values, ro.rewards, ro.terminations, ro.truncations, args.gamma, args.gae_lambda)
     data = dict(obs=ro.obs[:-1], actions=ro.actions, logprobs=ro.logprobs, advantages=advantages,
                 returns=returns, valid=ro.valid)
@@ -560,10 +647,8 @@ def ppo_update(agent: Agent, args: Args, shuffle_key, state: TrainState, rollout
     columns = jnp.arange(ro.env_ids.shape[0])[None, :]
 
     def step(state, rows):
-        return update_minibatch(agent, args, state, jax.tree.map(lambda x: x[rows, columns], data))
+        return update_minibatch(agent, args, unroll, state, jax.tree.map(lambda x: x[rows, columns], data))
 
-    # Unrolled on CPU: XLA:CPU runs conv gradients inside a rolled scan pathologically slowly (jax issue 12868).
-    unroll = jax.devices()[0].platform == "cpu"
     state, metrics = jax.lax.scan(step, state, indices, unroll=unroll)
     return state, jax.tree.map(jnp.mean, metrics)
 
@@ -581,11 +666,16 @@ def make_optimizer(args: Args):
     )
 
 
-def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
-    """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices."""
+def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int,
+                        unroll: Optional[bool] = None):
+    """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices.
+    Loops over minibatches are unrolled on CPU (default): XLA:CPU runs conv gradients inside a rolled scan
+    pathologically slowly (jax issue 12868). Elsewhere they stay rolled, so that memory is reused across them."""
+    if unroll is None:
+        unroll = mesh.devices.flat[0].platform == "cpu"
     rollout_spec = Rollout(*[P(None, "learner")] * 7, env_ids=P("learner"))
     return jax.jit(jax.shard_map(
-        partial(ppo_update, agent, args, shuffle_key), mesh=mesh,
+        partial(ppo_update, agent, args, shuffle_key, unroll), mesh=mesh,
         in_specs=(P(), (rollout_spec,) * num_slots), out_specs=(P(), P()),
         # Without replication typing, gradients stay per-device until the explicit psum in update_minibatch
         # (and rlax's scans, whose carries are unannotated, trace as they are).
@@ -732,6 +822,8 @@ class IterationLogger:
             "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
             "learner_update_time": learner_update_time,
         }
+        for name in infos[0].timings:  # where the actors' rollout time went, e.g. stats/actor_env_recv_time
+            stats[f"actor_{name}_time"] = float(np.mean([info.timings[name] for info in infos]))
         for key, value in stats.items():
             writer.add_scalar(f"stats/{key}", value, global_step)
         if iteration % args.log_frequency and iteration != args.num_iterations:
@@ -755,11 +847,24 @@ class IterationLogger:
               f"ETA {format_duration(eta)}", flush=True)
 
 
+def initialize_distributed(args: Args):
+    """jax.distributed.initialize, with every local device the flags name visible to this process."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    # Without local_device_ids, JAX under srun makes only GPU number SLURM_LOCALID visible to each process ("single
+    # process per device", jax/_src/clusters/cluster.py): a task given 4 GPUs would see one. Device ids are
+    # positions in jax.local_devices(), so all ids up to the highest one used; JAX_LOCAL_DEVICE_IDS overrides.
+    local_device_ids = None
+    if "JAX_LOCAL_DEVICE_IDS" not in os.environ:
+        local_device_ids = list(range(max(args.actor_device_ids + args.learner_device_ids) + 1))
+    jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                               local_device_ids=local_device_ids, heartbeat_timeout_seconds=args.heartbeat_timeout)
+    print(f"rank {jax.process_index()} of {jax.process_count()}: GPUs visible to JAX (jax_cuda_visible_devices) "
+          f"{jax.config.read('jax_cuda_visible_devices')}", flush=True)
+
+
 def main(args: Args):
     if args.distributed:  # before anything touches a device
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
+        initialize_distributed(args)
     check_devices(args, len(jax.local_devices()))
     fill_runtime_sizes(args, jax.process_count(), jax.process_index())
     local_devices = jax.local_devices()
@@ -799,9 +904,12 @@ def main(args: Args):
         writer = SummaryWriter(str(run_dir), purge_step=purge_step)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
                         "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+        pads = sum(len(pad_ids) for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs),
+                                                                 len(local_learner_devices)))
+        padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
         print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
               f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
-              f"{len(learner_devices)} device(s), logs in {run_dir}", flush=True)
+              f"{len(learner_devices)} device(s){padding}, logs in {run_dir}", flush=True)
 
     num_slots = len(actor_devices) * args.num_actor_threads
     learner_update = make_learner_update(agent, args, shuffle_key, mesh, num_slots)
