@@ -55,7 +55,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_pair(script, tmp_path, args, explicit=True, heartbeat_timeout=100):
+def start_pair(script, tmp_path, args, explicit=True, heartbeat_timeout=100, devices=2):
     """Start ranks 0 and 1, each in its own directory; explicit flags or simulated SLURM variables."""
     port = free_port()
     processes = []
@@ -70,7 +70,7 @@ def start_pair(script, tmp_path, args, explicit=True, heartbeat_timeout=100):
             env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
                    "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_PORT": str(port)}
         command = script_command(script, [*args, "--distributed", "--heartbeat-timeout", heartbeat_timeout, *flags])
-        processes.append(subprocess.Popen(command, cwd=directory, env=script_env(2, env), text=True,
+        processes.append(subprocess.Popen(command, cwd=directory, env=script_env(devices, env), text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     return processes
 

@@ -10,17 +10,18 @@ CASES = {
     "actor device out of range": (["--actor-device-ids", "0", "5"], 2, "--actor-device-ids 0 5", "ids 0..1"),
     "duplicate learner devices": (["--learner-device-ids", "1", "1"], 2, "--learner-device-ids 1 1", "distinct"),
     "negative device id": (["--actor-device-ids", "-1"], 1, "--actor-device-ids -1", "non-negative"),
-    "envs not divisible by learners": (["--local-num-envs", "5", "--learner-device-ids", "0", "1"], 2,
-                                       "--local-num-envs=5", "multiple of 2"),
     "total timesteps below one batch": (["--total-timesteps", "100"], 1, "--total-timesteps=100", "batch"),
     "unknown env id": (["--env-id", "Breakout-v99"], 1, "--env-id=Breakout-v99", "envpool.list_all_envs"),
-    "zero envs": (["--local-num-envs", "0"], 1, "--local-num-envs=0", "positive"),
-    "zero minibatches": (["--num-minibatches", "0"], 1, "--num-minibatches=0", "positive"),
-    "negative steps": (["--num-steps", "-4"], 1, "--num-steps=-4", "positive"),
+    "zero envs": (["--local-num-envs", "0"], 1, "--local-num-envs=0", "[1, inf)"),
+    "zero minibatches": (["--num-minibatches", "0"], 1, "--num-minibatches=0", "[1, inf)"),
+    "negative steps": (["--num-steps", "-4"], 1, "--num-steps=-4", "[1, inf)"),
+    "discount above 1": (["--gamma", "1.5"], 1, "--gamma=1.5", "[0, 1]"),
+    "NaN learning rate": (["--learning-rate", "nan"], 1, "--learning-rate=nan", "(0, inf)"),
 }
 MINIBATCH_CASE = {  # the constraint each algorithm puts on minibatch sizes
     "ppo": (["--num-steps", "10", "--num-minibatches", "4"], "--num-steps=10", "multiple of 4"),
-    "impala": (["--local-num-envs", "6", "--num-minibatches", "4"], "--local-num-envs=6", "multiple of 4"),
+    "impala": (["--local-num-envs", "3", "--num-actor-threads", "2", "--num-minibatches", "8"], "--num-minibatches=8",
+               "at most 6"),
 }
 
 
@@ -48,3 +49,52 @@ def test_minibatch_sizes_refused(script, tmp_path):
     process = run_script(script, ["--env-id", "CartPole-v1", "--learner-device-ids", "0", *flags], tmp_path,
                          timeout=60)
     check_refused(process, time.time() - start, *fragments)
+
+
+def numeric_flags(module) -> dict:
+    """{field: type} of every int or float command-line flag of a script's Args (run-time sizes excluded)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(module.Args)
+    return {f.name: hints[f.name] for f in dataclasses.fields(module.Args)
+            if hints[f.name] in (int, float) and f.name not in RUNTIME_SIZES}
+
+
+RUNTIME_SIZES = {"world_size", "local_rank", "num_envs", "local_batch_size", "local_minibatch_size", "batch_size",
+                 "minibatch_size", "num_iterations"}
+
+
+def outside(interval: str, kind: type) -> list:
+    """Values just outside an interval written like "[0, 1)" (and NaN for floats)."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    step = 1 if kind is int else 1e-3
+    values = [low - step if interval[0] == "[" else low]
+    if high != float("inf"):
+        values.append(high + step if interval[-1] == "]" else high)
+    if kind is float:
+        values += [float("nan"), float("inf")] if high == float("inf") else [float("nan")]
+    return [kind(v) if kind is int else v for v in values]
+
+
+def test_every_numeric_flag_has_a_checked_range(script, capsys):
+    """Table-driven over every int and float flag of the script: each has a range, and values outside it (NaN too)
+    are refused with exit 2, the flag and the range, before anything starts; the defaults are inside."""
+    import importlib
+
+    import tyro
+
+    module = importlib.import_module(f"cleanba.cleanba_{script}")
+    flags = numeric_flags(module)
+    assert set(flags) == set(module.FLAG_RANGES), "every numeric flag needs a range, and only those"
+    defaults = module.Args()
+    for name, kind in flags.items():
+        interval = module.FLAG_RANGES[name]
+        assert module.in_range(getattr(defaults, name), interval), (name, "default outside its range")
+        for value in outside(interval, kind):
+            args = tyro.cli(module.Args, args=["--env-id", "CartPole-v1", f"--{name.replace('_', '-')}", str(value)])
+            with pytest.raises(SystemExit) as refused:
+                module.check_args(args)
+            assert refused.value.code == 2, (name, value)
+            message = capsys.readouterr().err
+            assert f"--{name.replace('_', '-')}={value}" in message and interval in message, message

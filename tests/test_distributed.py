@@ -69,6 +69,19 @@ def test_slurm_variables_autodetected(script, tmp_path):
     check_pair(script, tmp_path, start_pair(script, tmp_path, args, explicit=False), total)
 
 
+def test_all_local_devices_visible_under_srun(tmp_path):
+    """As srun starts tasks (SLURM_LOCALID 0 and 1), each process with 4 devices and --actor-device-ids 0
+    --learner-device-ids 1 2 3: JAX is told to make all 4 local GPUs visible to every task, not GPU SLURM_LOCALID
+    only (what jax.distributed.initialize() does by itself), and the a0-l1,2,3-d2 run trains."""
+    layout = ["--actor-device-ids", "0", "--learner-device-ids", "1", "2", "3", "--num-actor-threads", "1"]
+    total = 2 * 2 * 6 * 8  # iterations x processes x envs x steps; 6 envs over 3 learner devices
+    args = [*TINY["impala"], *layout, "--local-num-envs", 6, "--total-timesteps", total]
+    outputs = finish(start_pair("impala", tmp_path, args, explicit=False, devices=4))
+    for rank, output in enumerate(outputs):
+        assert f"rank {rank} of 2: GPUs visible to JAX (jax_cuda_visible_devices) 0,1,2,3" in output, output
+        assert re.search(rf"rank {rank}: final params sha256", output), output
+
+
 def test_killed_rank_stops_the_other(tmp_path):
     """kill -9 of rank 1 mid-run: rank 0 exits non-zero within the heartbeat timeout plus a margin."""
     heartbeat_timeout = 10

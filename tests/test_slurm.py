@@ -52,12 +52,14 @@ def cluster(tmp_path_factory):
 
 @pytest.mark.parametrize("script", ["ppo", "impala"])
 def test_two_task_job_on_real_slurm(cluster, script, tmp_path):
+    """Each task uses ids 0 to 3 of its 4 forced devices (a0-l1,2,3-d2), as a GPU job with --gpus-per-task 4 would:
+    srun's SLURM_LOCALID must not hide the others (jax.distributed.initialize's default)."""
     steps = 16 if script == "ppo" else 8
     total = 3 * 2 * 4 * steps  # iterations x processes x envs x steps
     command = " ".join([sys.executable, str(SCRIPTS[script]), "--distributed", *TINY[script], "--local-num-envs", "4",
-                        "--num-actor-threads", "1", "--actor-device-ids", "0", "--learner-device-ids", "1",
+                        "--num-actor-threads", "1", "--actor-device-ids", "0", "--learner-device-ids", "1", "2", "3",
                         "--total-timesteps", str(total)])
-    env = dict(script_env(2), SLURM_CONF=str(cluster.conf))
+    env = dict(script_env(4), SLURM_CONF=str(cluster.conf))
     result = launch(["--command", command, "--env-ids", "CartPole-v1", "--seeds", 7, "--ntasks-per-node", 2,
                      "--srun-options=--overcommit", "--job-name", f"cleanba-{script}", "--workdir", tmp_path],
                     env=env)
@@ -69,6 +71,8 @@ def test_two_task_job_on_real_slurm(cluster, script, tmp_path):
         outputs + cluster.logs()
     digests = re.findall(r"rank (\d): final params sha256 (\w+)", outputs)
     assert sorted(rank for rank, _ in digests) == ["0", "1"] and len({d for _, d in digests}) == 1, outputs
+    visible = re.findall(r"rank (\d) of 2: GPUs visible to JAX \(jax_cuda_visible_devices\) (\S+)", outputs)
+    assert sorted(visible) == [("0", "0,1,2,3"), ("1", "0,1,2,3")], outputs
     directory = run_dir(tmp_path)
     assert directory.name.startswith("CartPole-v1__") and "__7__" in directory.name
     assert scalars(directory)["stats/learner_policy_version"][-1] == (total, 2)

@@ -178,3 +178,47 @@ def test_gradient_accumulation_matches_whole_minibatches(script, tmp_path):
                              iterations=3)
         runs.append(first_losses(logged, LOSS_TAGS, 3))
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("script, extra", [("ppo", []), ("impala", ["--num-minibatches", "3"])])
+def test_default_sizes_on_three_learner_devices(script, extra, tmp_path):
+    """The README's first command: --learner-device-ids 1 2 3 with the default --local-num-envs (64) and
+    --num-actor-threads (2), which 3 devices do not divide (IMPALA: nor 3 minibatches the envs of a device). Masked
+    pad envs even them out, and it learns what a0-l0 learns with the same sizes."""
+    runs = {}
+    for name, flags, devices in [("a0-l0", [], 1), ("a0-l1,2,3", ["--learner-device-ids", "1", "2", "3"], 4)]:
+        (tmp_path / name).mkdir()
+        args = [*TINY[script], *extra, "--actor-device-ids", "0", *flags, "--log-frequency", "1",
+                "--total-timesteps", 3 * 128 * (16 if script == "ppo" else 8)]
+        process = run_script(script, args, tmp_path / name, devices=devices)
+        check_ok(process)
+        runs[name] = first_losses(scalars(run_dir(tmp_path / name)), LOSS_TAGS, 3)
+        if devices == 4:
+            assert "masked pad envs" in process.stdout, process.stdout
+    np.testing.assert_allclose(runs["a0-l1,2,3"], runs["a0-l0"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("envs, devices, groups, multiple", [(64, 3, 1, 1), (64, 3, 4, 1), (6, 4, 4, 2), (5, 2, 3, 1),
+                                                              (1, 3, 1, 1), (128, 2, 4, 4)])
+def test_learner_shards_split_every_env_once(envs, devices, groups, multiple):
+    """Every real env on exactly one device, the same width and the same count of every minibatch group (a
+    multiple of the micro-batch count) on each device, pad ids negative and in the group they fill."""
+    import dataclasses
+
+    from cleanba import cleanba_impala
+
+    args = dataclasses.replace(cleanba_impala.Args(), num_minibatches=groups, gradient_accumulation_steps=multiple)
+    env_ids = np.arange(envs, 2 * envs, dtype=np.int32)  # the second actor thread's envs
+    shards = cleanba_impala.learner_shards(args, env_ids, devices)
+    assert len(shards) == devices
+    columns = [np.concatenate([env_ids[envs_slice], pad_ids]) for envs_slice, pad_ids in shards]
+    assert np.array_equal(np.sort(np.concatenate([env_ids[s] for s, _ in shards])), env_ids)
+    assert len({len(c) for c in columns}) == 1
+    for c in columns:
+        counts = np.bincount(c % groups, minlength=groups)
+        assert len(set(counts)) == 1 and counts[0] % multiple == 0, counts
+    pads = np.concatenate([pad_ids for _, pad_ids in shards])
+    assert np.all(pads < 0)
+    # The padding is the least that equal widths need: one device's share of envs, rounded up per group.
+    per_group = -(-(-(-envs // devices)) // groups)
+    assert len(columns[0]) == groups * (-(-per_group // multiple) * multiple)
