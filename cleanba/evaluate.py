@@ -138,7 +138,7 @@ def evaluate(module, train_args, params, episodes: int, num_envs: int = 8, greed
     act = make_eval_policy(agent, greedy)
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
-    running, lengths_now = np.zeros(num_envs), np.zeros(num_envs, np.int64)
+    running, lengths_now, resetting = np.zeros(num_envs), np.zeros(num_envs, np.int64), np.zeros(num_envs, bool)
     returns, lengths, videos, frames = [], [], [], []
     try:
         obs, info = envs.reset()
@@ -153,7 +153,8 @@ def evaluate(module, train_args, params, episodes: int, num_envs: int = 8, greed
                 # After a game over, the next step is EnvPool's auto-reset: its frame starts the next episode.
                 frames.append(envs.render(env_ids=[0])[0])
             running += info.get("reward", reward)  # raw score, not the clipped training reward
-            lengths_now += info["elapsed_step"] > 0
+            lengths_now += ~resetting  # EnvPool's reset steps (after a game over or a lost life) ignore the action
+            resetting = terminated | truncated
             game_over = info.get("terminated", terminated).astype(bool) | truncated  # a lost life is not a game over
             for i in np.flatnonzero(game_over):
                 if played[i] < quotas[i]:
