@@ -257,61 +257,6 @@ def make_env(args: Args, num_envs: int, seed: int):
                         **env_kwargs(args))
 
 
-def pool_windows(x):
-    """The 9 strided views of a 3x3, stride-2, SAME max pool over NHWC x (padded with -inf), and the padding."""
-    out_h, out_w = -(-x.shape[1] // 2), -(-x.shape[2] // 2)
-    pad_h, pad_w = 2 * out_h + 1 - x.shape[1], 2 * out_w + 1 - x.shape[2]
-    pads = ((0, 0), (pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0))
-    x = jnp.pad(x, pads, constant_values=-jnp.inf)
-    return [x[:, i:i + 2 * out_h:2, j:j + 2 * out_w:2] for i in range(3) for j in range(3)], pads
-
-
-def interleave(even, odd, axis: int):
-    """e0 o0 e1 o1 ... en along axis, from even (n + 1 long) and odd (n long)."""
-    both = jnp.stack([even, jnp.pad(odd, [(0, int(a == axis)) for a in range(odd.ndim)])], axis=axis + 1)
-    shape = list(even.shape)
-    shape[axis] *= 2
-    return jax.lax.slice_in_dim(both.reshape(shape), 0, shape[axis] - 1, axis=axis)
-
-
-@jax.custom_vjp
-def max_pool(x):
-    """nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") with the same values and bitwise the same gradients.
-
-    XLA:CPU's max-pool gradient (select_and_scatter) is 30% of the default network's gradient time; this one
-    costs at most a third of that (README "Performance"). The forward pass computes the same maxima."""
-    return reduce(jnp.maximum, pool_windows(x)[0])
-
-
-def max_pool_forward(x):
-    y = max_pool(x)
-    return y, (x, y)
-
-
-def max_pool_backward(residuals, dy):
-    # Like select_and_scatter, each window's gradient goes to its first maximum in row-major order. Padded input
-    # row 2m gets shares from window rows m - 1 (offset 2) and m (offset 0), row 2m + 1 from window row m
-    # (offset 1), and likewise for columns; shares are added in row-major window order, as XLA adds them, so the
-    # sums round the same way.
-    x, y = residuals
-    windows, pads = pool_windows(x)
-    first = reduce(jnp.minimum, [jnp.where(window == y, k, 9) for k, window in enumerate(windows)])
-    share = [jnp.where(first == k, dy, 0.0) for k in range(9)]  # share[3 * row offset + column offset]
-
-    def place(k, rows, cols):  # (1, 0): offset 2 lands one window later; (0, 1): offset 0
-        return jnp.pad(share[k], ((0, 0), rows, cols, (0, 0)))
-
-    late, early, none = (1, 0), (0, 1), (0, 0)
-    even_even = place(8, late, late) + place(6, late, early) + place(2, early, late) + place(0, early, early)
-    even_odd = place(7, late, none) + place(1, early, none)
-    odd_even = place(5, none, late) + place(3, none, early)
-    dx = interleave(interleave(even_even, even_odd, 2), interleave(odd_even, share[4], 2), 1)
-    return (dx[:, pads[1][0]:pads[1][0] + x.shape[1], pads[2][0]:pads[2][0] + x.shape[2]],)
-
-
-max_pool.defvjp(max_pool_forward, max_pool_backward)
-
-
 class ResidualBlock(nn.Module):
     channels: int
 
@@ -328,7 +273,10 @@ class ConvSequence(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Conv(self.channels, (3, 3))(x)
-        x = max_pool(x)
+        if jax.default_backend() == "cpu":  # same values and gradients, faster on XLA:CPU (end of this file)
+            x = max_pool(x)
+        else:
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
         return ResidualBlock(self.channels)(ResidualBlock(self.channels)(x))
 
 
@@ -576,6 +524,9 @@ def impala_loss(agent: Agent, args: Args, params, batch: dict, count):
     v_loss = 0.5 * vtrace.errors**2  # errors = stop_gradient(v-trace target) - value
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+    # Forking: add a new loss term here, per sample (README "Fork a script"): it is then masked and summed like the
+    # rest, the same on any layout. A scalar added to the returned loss would count once per learner device and
+    # micro-batch, whose gradients are summed. A new entry of `metrics` is logged as losses/<name>.
     # The loss is a sum over the minibatch's valid samples, the scale that the RMSProp epsilon and gradient clip
     # of TorchBeast and the original Cleanba were tuned for; after the psum of the gradients it is the global sum, on
     # any number of devices. The logged metrics are per-sample means (count is the global number).
@@ -645,10 +596,13 @@ def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_s
                         unroll: Optional[bool] = None):
     """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices.
     Loops over minibatches are unrolled on CPU (default): XLA:CPU runs conv gradients inside a rolled scan
-    pathologically slowly (jax issue 12868). Elsewhere they stay rolled, so that memory is reused across them."""
+    pathologically slowly (jax issue 12868). Elsewhere they stay rolled, so that memory is reused across them.
+    Forking: `args` is read once, when the update is traced; a value that changes during training must be an input
+    (the learning rate is one: optax.inject_hyperparams keeps it in state.opt_state), not a field changed on args."""
     if unroll is None:
         unroll = mesh.devices.flat[0].platform == "cpu"
-    rollout_spec = Rollout(*[P(None, "learner")] * 7, env_ids=P("learner"))
+    # Every field is time-major with envs on axis 1, but env_ids (envs only): a field added to Rollout needs nothing.
+    rollout_spec = Rollout(*[P("learner") if name == "env_ids" else P(None, "learner") for name in Rollout._fields])
     return jax.jit(jax.shard_map(
         partial(impala_update, agent, args, shuffle_key, unroll), mesh=mesh,
         in_specs=(P(), (rollout_spec,) * num_slots), out_specs=(P(), P()),
@@ -657,10 +611,16 @@ def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_s
         check_vma=False))
 
 
+def make_network(args: Args, num_actions: int) -> Agent:
+    """The network from the flags, for training and for evaluating a saved model (cleanba/evaluate.py): change
+    this function with Agent's signature. Agent maps observations to (logits (batch, actions), values (batch,))."""
+    return Agent(num_actions, tuple(args.channels), args.hidden_dim)
+
+
 def make_agent(args: Args, mesh: Mesh):
     """The network, its initial train state replicated over the learner devices, and the action and shuffle keys."""
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
-    agent = Agent(spec.action_space.n, tuple(args.channels), args.hidden_dim)
+    agent = make_network(args, spec.action_space.n)
     init_key, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
     obs_example = np.zeros((1, *spec.observation_space.shape), spec.observation_space.dtype)
     state = TrainState.create(apply_fn=None, params=agent.init(init_key, obs_example), tx=make_optimizer(args))
@@ -807,7 +767,10 @@ class IterationLogger:
             writer.add_scalar(f"losses/{key}", float(value), global_step)
         sps = self.window_steps / (time.time() - self.window_start)
         self.window_start, self.window_steps = time.time(), 0
-        learning_rate = jax.device_get(first_replica(state.opt_state[1].hyperparams["learning_rate"]))
+        # By name, wherever the optimizer chain keeps it (inject_hyperparams's value, not its schedule's state).
+        learning_rate = optax.tree_utils.tree_get(state.opt_state, "learning_rate",
+                                                  filtering=lambda _, value: isinstance(value, jax.Array))
+        learning_rate = jax.device_get(first_replica(learning_rate))
         writer.add_scalar("charts/SPS", sps, global_step)
         writer.add_scalar("charts/learning_rate", float(learning_rate), global_step)
         recent = "n/a"
@@ -859,6 +822,10 @@ def main(args: Args):
              f"(--checkpoint-frequency)")
 
     agent, state, action_key, shuffle_key = make_agent(args, mesh)
+    if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
+        from cleanba.evaluate import check_network
+
+        check_network(sys.modules[__name__], args, first_replica(state.params))
     start_iteration = 1
     if resume:
         completed, restored = load_checkpoint(checkpoint_path, args, state)
@@ -996,6 +963,65 @@ def main(args: Args):
     if stop_signals:
         print(f"stopped by signal {stop_signals[0]} after iteration {completed}", file=sys.stderr)
         sys.exit(128 + stop_signals[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# XLA:CPU only: a max pool whose gradient avoids XLA:CPU's slow select_and_scatter. Accelerators use nn.max_pool.
+
+
+def pool_windows(x):
+    """The 9 strided views of a 3x3, stride-2, SAME max pool over NHWC x (padded with -inf), and the padding."""
+    out_h, out_w = -(-x.shape[1] // 2), -(-x.shape[2] // 2)
+    pad_h, pad_w = 2 * out_h + 1 - x.shape[1], 2 * out_w + 1 - x.shape[2]
+    pads = ((0, 0), (pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0))
+    x = jnp.pad(x, pads, constant_values=-jnp.inf)
+    return [x[:, i:i + 2 * out_h:2, j:j + 2 * out_w:2] for i in range(3) for j in range(3)], pads
+
+
+def interleave(even, odd, axis: int):
+    """e0 o0 e1 o1 ... en along axis, from even (n + 1 long) and odd (n long)."""
+    both = jnp.stack([even, jnp.pad(odd, [(0, int(a == axis)) for a in range(odd.ndim)])], axis=axis + 1)
+    shape = list(even.shape)
+    shape[axis] *= 2
+    return jax.lax.slice_in_dim(both.reshape(shape), 0, shape[axis] - 1, axis=axis)
+
+
+@jax.custom_vjp
+def max_pool(x):
+    """nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") with the same values and bitwise the same gradients.
+
+    XLA:CPU's max-pool gradient (select_and_scatter) is 30% of the default network's gradient time; this one
+    costs at most a third of that (README "Performance"). The forward pass computes the same maxima."""
+    return reduce(jnp.maximum, pool_windows(x)[0])
+
+
+def max_pool_forward(x):
+    y = max_pool(x)
+    return y, (x, y)
+
+
+def max_pool_backward(residuals, dy):
+    # Like select_and_scatter, each window's gradient goes to its first maximum in row-major order. Padded input
+    # row 2m gets shares from window rows m - 1 (offset 2) and m (offset 0), row 2m + 1 from window row m
+    # (offset 1), and likewise for columns; shares are added in row-major window order, as XLA adds them, so the
+    # sums round the same way.
+    x, y = residuals
+    windows, pads = pool_windows(x)
+    first = reduce(jnp.minimum, [jnp.where(window == y, k, 9) for k, window in enumerate(windows)])
+    share = [jnp.where(first == k, dy, 0.0) for k in range(9)]  # share[3 * row offset + column offset]
+
+    def place(k, rows, cols):  # (1, 0): offset 2 lands one window later; (0, 1): offset 0
+        return jnp.pad(share[k], ((0, 0), rows, cols, (0, 0)))
+
+    late, early, none = (1, 0), (0, 1), (0, 0)
+    even_even = place(8, late, late) + place(6, late, early) + place(2, early, late) + place(0, early, early)
+    even_odd = place(7, late, none) + place(1, early, none)
+    odd_even = place(5, none, late) + place(3, none, early)
+    dx = interleave(interleave(even_even, even_odd, 2), interleave(odd_even, share[4], 2), 1)
+    return (dx[:, pads[1][0]:pads[1][0] + x.shape[1], pads[2][0]:pads[2][0] + x.shape[2]],)
+
+
+max_pool.defvjp(max_pool_forward, max_pool_backward)
 
 
 if __name__ == "__main__":

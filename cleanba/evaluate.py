@@ -108,6 +108,28 @@ def make_eval_policy(agent, greedy: bool):
     return act
 
 
+def check_network(module, train_args, params):
+    """At the start of a --save-model run: the evaluation rebuilds the network with module.make_network and plays
+    it with make_eval_policy. A fork whose network breaks that contract fails here, not after training."""
+    import envpool
+    import jax
+
+    spec = envpool.make_spec(train_args.env_id, **module.env_kwargs(train_args))
+    obs = np.zeros((2, *spec.observation_space.shape), spec.observation_space.dtype)
+    try:
+        agent = module.make_network(train_args, spec.action_space.n)
+        actions = make_eval_policy(agent, greedy=False)(params, obs, jax.random.key(0))
+        logits, values = agent.apply(params, obs)
+    except Exception as error:
+        fail(f"--save-model: the evaluation cannot run this network ({type(error).__name__}: {error}). It builds it "
+             f"with make_network(args, num_actions) and needs apply(params, obs) -> (logits, values); keep that "
+             f"contract, or train without --save-model")
+    shapes = (getattr(logits, "shape", None), getattr(values, "shape", None), actions.shape)
+    if shapes != ((2, spec.action_space.n), (2,), (2,)):
+        fail(f"--save-model: the network returns logits, values of shapes {shapes[0]}, {shapes[1]} for a batch of 2; "
+             f"the evaluation needs ((2, {spec.action_space.n}), (2,)): apply(params, obs) -> (logits, values)")
+
+
 def write_video(path: Path, frames: list):
     import imageio
 
@@ -134,7 +156,7 @@ def evaluate(module, train_args, params, episodes: int, num_envs: int = 8, greed
     envs = envpool.make(train_args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed,
                         **module.env_kwargs(train_args), **render)
     spec = envs.spec
-    agent = module.Agent(spec.action_space.n, tuple(train_args.channels), train_args.hidden_dim)
+    agent = module.make_network(train_args, spec.action_space.n)
     act = make_eval_policy(agent, greedy)
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)

@@ -1,0 +1,82 @@
+"""The README's "Fork a script" edits, kept as patches under tests/forks/: each is applied to a copy of
+cleanba_ppo.py, which then trains a few iterations on two layouts. The new metric is logged and the layouts
+learn the same thing, so the guide cannot go stale and its edits keep layout invariance."""
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax.traverse_util import flatten_dict
+
+from conftest import LOSS_TAGS, ROOT, TINY, check_ok, first_losses, run_dir, scalars, script_env
+
+ATARI = ["--env-id", "Breakout-v5", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2",
+         "--update-epochs", "1", "--log-frequency", "1"]
+FORKS = {  # patch: (flags, the tag the edit adds)
+    "kl_penalty": (TINY["ppo"], "losses/kl_penalty"),
+    "new_metric": (TINY["ppo"], "losses/value_abs_error"),
+    "nature_cnn": (ATARI, None),
+}
+LAYOUTS = {"a0-l0": ([], 1), "a0-l1,2": (["--actor-device-ids", "0", "--learner-device-ids", "1", "2"], 3)}
+
+
+def forked_script(patch: str, directory) -> str:
+    """A copy of cleanba_ppo.py with tests/forks/<patch>.patch applied (git apply works outside a repository)."""
+    (directory / "cleanba").mkdir(parents=True)
+    shutil.copy(ROOT / "cleanba" / "cleanba_ppo.py", directory / "cleanba" / "cleanba_ppo.py")
+    result = subprocess.run(["git", "apply", str(ROOT / "tests" / "forks" / f"{patch}.patch")], cwd=directory,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, f"the README's {patch} edit no longer applies: {result.stderr}"
+    return str(directory / "cleanba" / "cleanba_ppo.py")
+
+
+@pytest.mark.parametrize("patch", list(FORKS))
+def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
+    flags, new_tag = FORKS[patch]
+    script = forked_script(patch, tmp_path / "fork")
+    steps = 16 if flags is TINY["ppo"] else 8
+    losses = {}
+    for name, (layout, devices) in LAYOUTS.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        extra = ["--save-model", "--eval-episodes", "1"] if patch == "nature_cnn" and devices == 1 else []
+        command = [sys.executable, script, *flags, *layout, *extra, "--local-num-envs", "4", "--num-actor-threads",
+                   "1", "--total-timesteps", 3 * 4 * steps]
+        process = subprocess.run(list(map(str, command)), cwd=directory, env=script_env(devices), capture_output=True,
+                                 text=True, timeout=300)
+        check_ok(process)
+        logged = scalars(run_dir(directory))
+        tags = LOSS_TAGS + ([new_tag] if new_tag else [])
+        losses[name] = first_losses(logged, tags, 3)
+        assert np.all(np.isfinite(losses[name]))
+        if new_tag:
+            assert np.all(losses[name][-1] > 0), (new_tag, losses[name][-1])
+    np.testing.assert_allclose(losses["a0-l1,2"], losses["a0-l0"], rtol=1e-4, atol=1e-6)
+    if patch == "nature_cnn":  # the saved model is the Nature CNN, and its evaluation ran
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("forked_ppo", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        (model,) = run_dir(tmp_path / "a0-l0").glob("*.cleanba_model")
+        _, params = module.load_model(model)
+        kernels = {k: v.shape for k, v in flatten_dict(params).items() if k[-1] == "kernel"}
+        assert kernels[("params", "Conv_0", "kernel")] == (8, 8, 4, 32), kernels
+        assert "eval/episodic_return" in scalars(run_dir(tmp_path / "a0-l0"))
+
+
+def test_network_contract_checked_at_start(tmp_path):
+    """A fork whose network the evaluation cannot use fails at start with --save-model, not after training."""
+    directory = tmp_path / "fork" / "cleanba"
+    directory.mkdir(parents=True)
+    source = (ROOT / "cleanba" / "cleanba_ppo.py").read_text()
+    broken = source.replace("        return logits, value[:, 0]\n", "        return logits, value, logits\n")
+    assert broken != source
+    (directory / "cleanba_ppo.py").write_text(broken)
+    command = [sys.executable, str(directory / "cleanba_ppo.py"), *TINY["ppo"], "--local-num-envs", "4",
+               "--num-actor-threads", "1", "--total-timesteps", 10_000_000, "--save-model"]
+    process = subprocess.run(list(map(str, command)), cwd=tmp_path, env=script_env(1), capture_output=True,
+                             text=True, timeout=120)
+    assert process.returncode == 2, process.stderr
+    assert "--save-model" in process.stderr and "make_network" in process.stderr and "step " not in process.stdout
