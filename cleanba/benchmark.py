@@ -402,13 +402,13 @@ def compile_learner(module, args, model, rollouts: tuple, unroll: Optional[bool]
         module.update_minibatch = original
     if unroll is None:  # as make_learner_update decides it
         unroll = model["mesh"].devices.flat[0].platform == "cpu"
-    # update_minibatch's batch is per device, every field (rows, envs, ...): the global batch has envs x devices.
-    sharding = jax.sharding.NamedSharding(model["mesh"], P(None, "learner"))
-    batch = jax.tree.map(lambda sd: jax.ShapeDtypeStruct((sd[0][0], sd[0][1] * model["mesh"].size, *sd[0][2:]),
-                                                         sd[1], sharding=sharding),
+    # update_minibatch's batch is per device, every field (groups, ...): the global batch has groups x devices.
+    sharding = jax.sharding.NamedSharding(model["mesh"], P("learner"))
+    batch = jax.tree.map(lambda sd: jax.ShapeDtypeStruct((sd[0][0] * model["mesh"].size, *sd[0][1:]), sd[1],
+                                                         sharding=sharding),
                          recorded[0], is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
     step = jax.jit(jax.shard_map(partial(original, model["agent"], args, unroll), mesh=model["mesh"],
-                                 in_specs=(P(), P(None, "learner")), out_specs=(P(), P()), check_vma=False))
+                                 in_specs=(P(), P("learner")), out_specs=(P(), P()), check_vma=False))
     step_analysis = step.lower(model["state"], batch).compile().memory_analysis()
     analysis = compiled.memory_analysis()
     mib = 1 / 2**20

@@ -140,6 +140,10 @@ class Args:
     """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
     concurrency: bool = False
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
+    exact: bool = False
+    """sum over fixed groups of envs in a fixed order: the same params, bit for bit, on every learner layout"""
+    group_envs: int = 8
+    """with --exact: the envs of one actor thread per group (each group's gradient is computed on its own)"""
 
     # Sizes filled in at run time (paper, appendix A); not command-line flags.
     world_size: tyro.conf.Suppress[int] = 0
@@ -166,7 +170,7 @@ FLAG_RANGES = {
     "num_minibatches": "[1, inf)", "gradient_accumulation_steps": "[1, inf)", "update_epochs": "[1, inf)",
     "clip_coef": "(0, 1]", "ent_coef": "[0, inf)", "vf_coef": "(0, inf)", "max_grad_norm": "(0, inf)",
     "hidden_dim": "[1, inf)", "log_frequency": "[1, inf)", "eval_episodes": "[0, inf)", "heartbeat_timeout": "[1, inf)",
-    "stall_timeout": "[0, inf)", "checkpoint_frequency": "[0, inf)",
+    "stall_timeout": "[0, inf)", "checkpoint_frequency": "[0, inf)", "group_envs": "[1, inf)",
 }
 
 
@@ -235,10 +239,11 @@ def fill_runtime_sizes(args: Args, world_size: int, local_rank: int):
              f"(num_envs={args.num_envs} x num_steps={args.num_steps}); raise it or shrink the batch")
 
 
-def env_groups(args: Args) -> tuple:
-    """(groups, multiple): each learner device must hold the same number of envs of each of `groups` groups, a
-    multiple of `multiple` (learner_shards). PPO minibatches take time steps of every env: any split will do."""
-    return 1, 1
+def env_blocks(args: Args) -> tuple:
+    """(classes, block): learner devices get whole blocks of `block` consecutive envs of an actor thread, each block
+    holding block / classes envs of every minibatch class (env id mod classes). PPO minibatches take time steps of
+    every env, so one class; a block is one --exact group (learner_shards)."""
+    return 1, args.group_envs if args.exact else 1
 
 
 def is_atari(env_id: str) -> bool:
@@ -332,8 +337,8 @@ class RolloutInfo(NamedTuple):
     param_queue_wait: float
     rollout_queue_wait: float
     rollout_time: float
-    episode_returns: list
-    episode_lengths: list
+    episode_returns: np.ndarray  # (T, n) raw score of each game that ended at a step, NaN elsewhere
+    episode_lengths: np.ndarray  # (T, n) its length in agent steps, NaN elsewhere
     timings: dict  # seconds per part of the rollout (Stopwatch)
 
 
@@ -377,19 +382,17 @@ def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
     """How one actor thread's envs go to the local learner devices: for each device, the slice of the envs it
     gets and the ids of the pad envs that fill it up to the common width.
 
-    The learner needs the same number of envs on every device, and of each minibatch group (env_groups) on each.
-    Where the envs do not split so, masked pad envs make up the difference, whatever the number of devices: every
-    step of a pad env is invalid, so it adds nothing to any sum, mean or count. Pad ids are negative, congruent to
-    the group they fill (id % groups), and cost at most the padding in learner compute."""
-    groups, multiple = env_groups(args)
-    per_group = -(-(-(-len(env_ids) // num_devices)) // groups)  # ceil(ceil(envs / devices) / groups)
-    per_group = -(-per_group // multiple) * multiple
-    bounds = np.cumsum([0] + [len(part) for part in np.array_split(env_ids, num_devices)])
+    The learner needs the same number of envs on every device, in whole blocks (env_blocks). Where the envs do not
+    split so, masked pad envs make up the difference, whatever the number of devices: every step of a pad env is
+    invalid, so it adds nothing to any sum, mean or count. Pad ids are negative, congruent to the minibatch class
+    they fill (id % classes), and cost at most the padding in learner compute."""
+    classes, block = env_blocks(args)
+    width = -(-(-(-len(env_ids) // block)) // num_devices) * block  # whole blocks: ceil(ceil(envs / block) / devices)
     shards = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        counts = np.bincount(env_ids[start:end] % groups, minlength=groups)
-        pad_ids = [np.full(per_group - count, group - groups, np.int32) for group, count in enumerate(counts)]
-        shards.append((slice(start, end), np.concatenate(pad_ids)))
+    for start in range(0, width * num_devices, width):
+        counts = np.bincount(env_ids[start:start + width] % classes, minlength=classes)
+        pad_ids = [np.full(width // classes - count, c - classes, np.int32) for c, count in enumerate(counts)]
+        shards.append((slice(start, start + width), np.concatenate(pad_ids)))
     return shards
 
 
@@ -460,7 +463,7 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
                 actions=np.empty((T, n), np.int32), logprobs=np.empty((T, n), np.float32),
                 rewards=np.empty((T, n), np.float32), terminations=np.empty((T, n), bool),
                 truncations=np.empty((T, n), bool), valid=np.empty((T, n), bool), env_ids=env_ids)
-            finished_returns, finished_lengths = [], []
+            finished_returns, finished_lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)
             for t in range(T):
                 storage.obs[t] = next_obs
                 clock.lap("storage")
@@ -482,9 +485,8 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
                 episode_returns += info.get("reward", reward)
                 episode_lengths += storage.valid[t]
                 game_over = info.get("terminated", terminated).astype(bool) | truncated
-                for i in np.flatnonzero(game_over):
-                    finished_returns.append(float(episode_returns[i]))
-                    finished_lengths.append(int(episode_lengths[i]))
+                finished_returns[t, game_over] = episode_returns[game_over]
+                finished_lengths[t, game_over] = episode_lengths[game_over]
                 episode_returns[game_over], episode_lengths[game_over] = 0.0, 0
                 clock.lap("storage")
             storage.obs[T] = next_obs
@@ -498,6 +500,34 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
             rollout_queue_wait = time.time() - start  # reported with the next rollout
     finally:
         envs.close()
+
+
+def scan_map(fn, xs, unroll: bool):
+    """fn of each slice of xs along axis 0, one after the other: rolled, one slice's activations are alive at a time."""
+    barrier = jax.lax.optimization_barrier
+    return jax.lax.scan(lambda carry, x: (carry, barrier(fn(barrier(x)))), None, xs, unroll=unroll)[1]
+
+
+def group_width(args: Args, envs: int) -> int:
+    """Envs per reduction group on a learner device holding `envs` (per minibatch class): the --exact group, or all."""
+    return args.group_envs if args.exact else envs
+
+
+def group_keys(env_ids):
+    """(groups,) global order of groups of (groups, width) env ids: the smallest real id of each, pad groups last."""
+    return jnp.min(jnp.where(env_ids >= 0, env_ids, jnp.iinfo(jnp.int32).max), axis=1)
+
+
+def global_sum(exact: bool, per_group, keys):
+    """The sum of per-group values (stacked on axis 0) over the groups of every learner device. A psum adds in an
+    order that follows the layout, and float addition rounds by its order. With --exact the groups are gathered on
+    every device and added one at a time in key order, so the sum is bitwise the same on any layout (issue 16)."""
+    if not exact:
+        return jax.lax.psum(jax.tree.map(lambda x: jnp.sum(x, axis=0), per_group), "learner")
+    per_group, keys = jax.lax.all_gather((per_group, keys), "learner", tiled=True)
+    order = jnp.argsort(keys)
+    add = lambda i, total: jax.tree.map(lambda t, x: t + x[order[i]], total, per_group)
+    return jax.lax.fori_loop(0, keys.shape[0], add, jax.tree.map(lambda x: jnp.zeros_like(x[0]), per_group))
 
 
 def compute_gae(values, rewards, terminations, truncations, gamma: float, gae_lambda: float):
@@ -515,11 +545,6 @@ def minibatch_time_indices(key, env_ids, num_steps: int, num_minibatches: int):
     global minibatch holds the same samples however the envs are spread over learner devices."""
     perms = jax.vmap(lambda i: jax.random.permutation(jax.random.fold_in(key, i), num_steps))(env_ids)
     return perms.T.reshape(num_minibatches, num_steps // num_minibatches, -1)
-
-
-def masked_global_mean(x, mask, count):
-    """Mean over the valid samples of all learner devices (count is already the global number)."""
-    return jax.lax.psum(jnp.sum(x * mask), "learner") / count
 
 
 def ppo_loss(agent: Agent, args: Args, params, batch: dict, count):
@@ -549,8 +574,8 @@ def ppo_loss(agent: Agent, args: Args, params, batch: dict, count):
 
 
 def summed_gradients(grad_fn, params, micro_batches: dict, count, unroll: bool):
-    """The sum of grad_fn's (gradients, metrics) over micro-batches stacked on axis 0: the minibatch's. A scan, so
-    that (rolled, off CPU) one micro-batch's activations are alive at a time: what makes accumulation save memory."""
+    """The sum of grad_fn's (gradients, metrics) over micro-batches stacked on axis 0: the group's. A scan, so that
+    (rolled, off CPU) one micro-batch's activations are alive at a time: what makes accumulation save memory."""
     first = jax.tree.map(lambda x: x[0], micro_batches)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, count))
     accumulate = lambda sums, micro_batch: (jax.tree.map(jnp.add, sums, grad_fn(params, micro_batch, count)), None)
@@ -558,36 +583,48 @@ def summed_gradients(grad_fn, params, micro_batches: dict, count, unroll: bool):
 
 
 def update_minibatch(agent: Agent, args: Args, unroll: bool, state: TrainState, batch: dict):
+    """One gradient step on a global minibatch. batch: this device's groups, (groups, rows, width) per field, and
+    their order keys. Every sum is taken per group, then over all groups (global_sum)."""
+    batch = dict(batch)
+    keys = batch.pop("keys")
+    total = lambda fn, *fields: global_sum(args.exact, scan_map(lambda group: fn(*group), fields, unroll), keys)
     mask = batch["valid"].astype(jnp.float32)
-    count = jnp.maximum(jax.lax.psum(jnp.sum(mask), "learner"), 1.0)
-    if args.norm_adv:
-        mean = masked_global_mean(batch["advantages"], mask, count)
-        std = jnp.sqrt(masked_global_mean((batch["advantages"] - mean) ** 2, mask, count))
-        batch["advantages"] = (batch["advantages"] - mean) / (std + 1e-8)
+    count = jnp.maximum(total(jnp.sum, mask), 1.0)
+    if args.norm_adv:  # statistics of the global minibatch, whatever the layout
+        advantages = batch["advantages"]
+        mean = total(lambda a, m: jnp.sum(a * m), advantages, mask) / count
+        std = jnp.sqrt(total(lambda a, m: jnp.sum((a - mean) ** 2 * m), advantages, mask) / count)
+        batch["advantages"] = (advantages - mean) / (std + 1e-8)
     batch["valid"] = mask
     grad_fn = jax.grad(partial(ppo_loss, agent, args), has_aux=True)
-    # Micro-batches: the minibatch's time rows cut in gradient_accumulation_steps parts.
-    micro_batches = jax.tree.map(lambda x: x.reshape(args.gradient_accumulation_steps, -1, *x.shape[1:]), batch)
-    grads, metrics = summed_gradients(grad_fn, state.params, micro_batches, count, unroll)
-    grads, metrics = jax.lax.psum((grads, metrics), "learner")
+    # Micro-batches: a group's time rows cut in gradient_accumulation_steps parts.
+    split = lambda x: x.reshape(args.gradient_accumulation_steps, -1, *x.shape[1:])
+    gradients = lambda group: summed_gradients(grad_fn, state.params, jax.tree.map(split, group), count, unroll)
+    grads, metrics = total(gradients, batch)
     return state.apply_gradients(grads=grads), metrics
 
 
-def rollout_values(agent: Agent, params, obs, chunk_steps: int, unroll: bool):
-    """Values of (T + 1, n) observations, chunk_steps time steps at a time, then the last row. One forward pass over
-    the whole rollout would hold all its activations at once (the first conv's alone: 7.5 GB at the default Atari
-    sizes), so peak learner memory would follow the rollout instead of the micro-batch (issue 14)."""
-    value = lambda o: agent.apply(params, o.reshape(-1, *o.shape[2:]))[1].reshape(o.shape[:2])
-    chunks = obs[:-1].reshape(-1, chunk_steps, *obs.shape[1:])
-    _, values = jax.lax.scan(lambda carry, o: (carry, value(o)), None, chunks, unroll=unroll)
-    return jnp.concatenate([values.reshape(-1, obs.shape[1]), value(obs[-1:])])
+def rollout_values(agent: Agent, params, obs, chunk_steps: int, width: int, unroll: bool):
+    """Values of (T + 1, n) observations, chunk_steps time steps of `width` envs at a time, then the last row. One
+    forward pass over the whole rollout would hold all its activations at once (the first conv's alone: 7.5 GB at
+    the default Atari sizes), so peak learner memory would follow the rollout instead of the micro-batch (issue 14);
+    with --exact, a group's values are computed on the same shapes on every layout."""
+    def chunk_values(o):  # (rows, n, ...) -> (rows, n), one group of envs at a time
+        groups = o.reshape(o.shape[0], -1, width, *o.shape[2:]).swapaxes(0, 1)
+        values = scan_map(lambda g: agent.apply(params, g.reshape(-1, *g.shape[2:]))[1].reshape(g.shape[:2]),
+                          groups, unroll)
+        return values.swapaxes(0, 1).reshape(o.shape[:2])
+
+    values = scan_map(chunk_values, obs[:-1].reshape(-1, chunk_steps, *obs.shape[1:]), unroll)
+    return jnp.concatenate([values.reshape(-1, obs.shape[1]), chunk_values(obs[-1:])])
 
 
 def ppo_update(agent: Agent, args: Args, shuffle_key, unroll: bool, state: TrainState, rollouts: tuple):
     """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
     ro = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0 if xs[0].ndim == 1 else 1), *rollouts)
+    width = group_width(args, ro.env_ids.shape[0])
     chunk_steps = args.num_steps // (args.num_minibatches * args.gradient_accumulation_steps)  # a micro-batch
-    values = rollout_values(agent, state.params, ro.obs, chunk_steps, unroll)
+    values = rollout_values(agent, state.params, ro.obs, chunk_steps, width, unroll)
     advantages, returns = compute_gae(values, ro.rewards, ro.terminations, ro.truncations, args.gamma, args.gae_lambda)
     data = dict(obs=ro.obs[:-1], actions=ro.actions, logprobs=ro.logprobs, advantages=advantages,
                 returns=returns, valid=ro.valid)
@@ -595,10 +632,13 @@ def ppo_update(agent: Agent, args: Args, shuffle_key, unroll: bool, state: Train
     indices = jnp.concatenate([
         minibatch_time_indices(jax.random.fold_in(key, epoch), ro.env_ids, args.num_steps, args.num_minibatches)
         for epoch in range(args.update_epochs)])
-    columns = jnp.arange(ro.env_ids.shape[0])[None, :]
+    to_groups = lambda x: x.reshape(x.shape[0], -1, width).swapaxes(0, 1)  # (rows, n) -> (groups, rows, width)
+    columns = to_groups(jnp.arange(ro.env_ids.shape[0])[None, :])
+    keys = group_keys(ro.env_ids.reshape(-1, width))
 
     def step(state, rows):
-        return update_minibatch(agent, args, unroll, state, jax.tree.map(lambda x: x[rows, columns], data))
+        batch = jax.tree.map(lambda x: x[to_groups(rows), columns], data)
+        return update_minibatch(agent, args, unroll, state, dict(batch, keys=keys))
 
     state, metrics = jax.lax.scan(step, state, indices, unroll=unroll)
     return state, jax.tree.map(jnp.mean, metrics)
@@ -656,6 +696,30 @@ def make_agent(args: Args, mesh: Mesh):
 def first_replica(tree):
     """The learner's replicated arrays as arrays on one local device, for the actors and for saving."""
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+@jax.jit
+def params_checksum(params):
+    """A 24-bit checksum of the params' bits, exact as a logged float (stats/params_checksum): runs that learn the
+    same params log the same value. Integer sums do not depend on the order of their additions."""
+    words = jnp.concatenate([jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).ravel()
+                             for x in jax.tree.leaves(params)])
+    total = jnp.sum(words * (2 * jnp.arange(words.size, dtype=jnp.uint32) + 1))  # weighted: positions count
+    return (total ^ (total >> 24)) & 0xFFFFFF
+
+
+def make_process_gather(mesh: Mesh, local_learner_devices: list):
+    """x of every process, stacked in process order, through the learner devices (an actor's device may be busy
+    with inference: no collective runs there). For the episodes of all processes' envs, on every process."""
+    replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+
+    def gather(x: np.ndarray) -> np.ndarray:
+        parts = [jax.device_put(x[None], device) for device in local_learner_devices]
+        stacked = jax.make_array_from_single_device_arrays((mesh.size, *x.shape), NamedSharding(mesh, P("learner")),
+                                                           parts)
+        return np.asarray(first_replica(replicate(stacked)))[::len(local_learner_devices)]
+
+    return gather
 
 
 def digest(tree) -> str:
@@ -765,12 +829,13 @@ class IterationLogger:
         self.recent_returns, self.recent_lengths = deque(maxlen=20), deque(maxlen=20)
         self.window_start, self.window_steps = time.time(), 0
 
-    def log(self, iteration: int, infos: list, rollout_queue_wait: float, learner_update_time: float,
-            state: TrainState, metrics: dict):
+    def log(self, iteration: int, infos: list, episodes: np.ndarray, rollout_queue_wait: float,
+            learner_update_time: float, state: TrainState, metrics: dict):
+        """episodes: (2, T, num_envs) returns and lengths of the games of all envs that ended (NaN elsewhere)."""
         args, writer = self.args, self.writer
-        for info in infos:
-            self.recent_returns.extend(info.episode_returns)
-            self.recent_lengths.extend(info.episode_lengths)
+        ended = np.isfinite(episodes[0])  # in (step, global env id) order: the same on every layout
+        self.recent_returns.extend(episodes[0][ended])
+        self.recent_lengths.extend(episodes[1][ended])
         global_step = iteration * args.batch_size
         self.window_steps += args.batch_size
         stats = {
@@ -781,6 +846,7 @@ class IterationLogger:
             "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in infos])),
             "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
             "learner_update_time": learner_update_time,
+            "params_checksum": int(params_checksum(first_replica(state.params))),
         }
         for name in infos[0].timings:  # where the actors' rollout time went, e.g. stats/actor_env_recv_time
             stats[f"actor_{name}_time"] = float(np.mean([info.timings[name] for info in infos]))
@@ -826,6 +892,10 @@ def initialize_distributed(args: Args):
 
 
 def main(args: Args):
+    # Deterministic GPU kernels (no atomics in scatter-adds and reductions, no timing-dependent autotuning): on an
+    # accelerator, what --exact needs besides its fixed order of sums. XLA reads it when the backend starts.
+    if args.exact and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     if args.distributed:  # before anything touches a device
         initialize_distributed(args)
     check_devices(args, len(jax.local_devices()))
@@ -877,10 +947,14 @@ def main(args: Args):
         print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
               f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
               f"{len(learner_devices)} device(s){padding}, logs in {run_dir}", flush=True)
+        if args.exact:
+            print(f"exact: sums over groups of {args.group_envs} envs in a fixed order; XLA_FLAGS: "
+                  f"{os.environ['XLA_FLAGS']}", flush=True)
 
     num_slots = len(actor_devices) * args.num_actor_threads
     learner_update = make_learner_update(agent, args, shuffle_key, mesh, num_slots)
     policy = make_policy(agent, action_key)
+    process_gather = make_process_gather(mesh, local_learner_devices)
 
     stop, errors, stop_signals = threading.Event(), [], []
     param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
@@ -939,9 +1013,14 @@ def main(args: Args):
                 replica = first_replica(state.params)
                 for q in param_queues:
                     queue_put(q, (learner_version, replica), stop)
+            # The games that ended, in global env order (actor slots, then processes): every process takes part.
+            episodes = np.concatenate([np.stack([info.episode_returns, info.episode_lengths]) for _, info in items],
+                                      axis=2)
+            if args.world_size > 1:
+                episodes = np.concatenate(list(process_gather(episodes)), axis=2)
             if is_writer:
-                logger.log(iteration, [info for _, info in items], rollout_queue_wait, learner_update_time,
-                           state, metrics)
+                logger.log(iteration, [info for _, info in items], episodes, rollout_queue_wait,
+                           learner_update_time, state, metrics)
                 if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
                     save_checkpoint(checkpoint_path, args, state, iteration)
             # All processes see a SIGTERM (e.g. SLURM preemption) at the same iteration and stop together.

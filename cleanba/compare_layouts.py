@@ -7,7 +7,8 @@
 Writes one PNG, one panel per tag (900 x 300 pixels each at 100 dpi): both runs against global_step, labelled
 by their layout (a<actor ids>-l<learner ids>-d<processes>). For each tag it prints, and puts in the panel's
 title, the largest absolute difference |a - b| and the largest relative difference |a - b| / max(|a|, |b|)
-over the steps both runs logged.
+over the steps both runs logged, then whether the runs are bitwise identical: every tag equal at every common
+step, stats/params_checksum included (runs with --exact, README "Reproducibility").
 """
 import sys
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ class Args:
     run_dirs: tyro.conf.Positional[tuple[Path, Path]]
     """the two run directories (runs/<run_name>) to compare"""
     tags: list[str] = field(default_factory=lambda: ["charts/episodic_return", "losses/value_loss",
-                                                     "losses/policy_loss", "losses/entropy"])
+                                                     "losses/policy_loss", "losses/entropy", "stats/params_checksum"])
     """the scalars to compare, one panel each"""
     out: Path = Path("layouts.png")
     """the PNG to write"""
@@ -87,9 +88,12 @@ def main(args: Args):
     check_same_experiment(runs)
     labels = run_labels(runs)
     figure, axes = new_figure(PANEL_SIZE[0], PANEL_SIZE[1] * len(args.tags), rows=len(args.tags))
+    identical = True
     for axis, tag in zip(axes[:, 0], args.tags):
         curves = [scalar(run, tag) for run in runs]
-        summary = describe(tag, curve_difference(*curves))
+        difference = curve_difference(*curves)
+        identical = identical and difference["steps"] > 0 and difference["absolute"] == 0
+        summary = describe(tag, difference)
         print(summary)
         for curve, label, style in zip(curves, labels, ["-", "--"]):  # dashed on top: equal curves stay visible
             axis.plot(curve.step, curve.value, style, label=label)
@@ -97,6 +101,8 @@ def main(args: Args):
         axis.set_xlabel("global_step", fontsize="small")
         axis.legend(fontsize="small")
         axis.grid(alpha=0.25)
+    print(f"bitwise identical: all {len(args.tags)} tags equal at every common step" if identical else
+          "not bitwise identical (runs without --exact differ by float rounding, which RL amplifies)")
     figure.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_figure(figure, args.out)

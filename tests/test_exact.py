@@ -1,0 +1,89 @@
+"""--exact: the same seed and global sizes train bitwise the same params on every learner layout (issue 16).
+
+Each case runs 2 actor threads' worth of envs (2 x 4) on a0-l0, a0-l1,2 and a0-l1,2,3 in one process, and as two
+processes of one thread each (d2), and compares, iteration by iteration, the params checksum, the losses and the
+episode curves, and the final params sha256 of every run."""
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, check_ok, run_dir, run_script, scalars, script_env, start_pair
+
+ITERATIONS = 30
+ENVS = 4  # per actor thread
+CURVES = ["stats/params_checksum", "losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy",
+          "charts/episodic_return", "charts/episodic_length"]
+SIZES = {  # per (script, env): flags, steps per env per iteration
+    ("ppo", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "16", "--num-minibatches", "2",
+                              "--update-epochs", "2"], 16),
+    ("impala", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2"], 8),
+    ("ppo", "Breakout-v5"): (["--channels", "4", "8", "--hidden-dim", "32", "--num-steps", "8",
+                              "--num-minibatches", "2", "--update-epochs", "1"], 8),
+    ("impala", "Breakout-v5"): (["--channels", "4", "8", "--hidden-dim", "32", "--num-steps", "8",
+                                 "--num-minibatches", "2"], 8),
+}
+LAYOUTS = {  # name: (flags, forced host devices)
+    "a0-l0": ([], 1),
+    "a0-l1,2": (["--actor-device-ids", "0", "--learner-device-ids", "1", "2"], 3),
+    "a0-l1,2,3": (["--actor-device-ids", "0", "--learner-device-ids", "1", "2", "3"], 4),
+}
+
+
+def exact_args(script, env_id, threads):
+    flags, steps = SIZES[script, env_id]
+    total = ITERATIONS * 2 * ENVS * steps  # 2 x ENVS envs in all, on every layout
+    return [*flags, "--env-id", env_id, "--exact", "--group-envs", "2", "--log-frequency", "1", "--seed", "3",
+            "--local-num-envs", ENVS, "--num-actor-threads", threads, "--total-timesteps", total]
+
+
+def curves(directory) -> dict:
+    logged = scalars(directory)
+    return {tag: np.array([value for _, value in logged[tag]], np.float32) for tag in CURVES}
+
+
+def final_digests(output: str) -> list:
+    return re.findall(r"rank \d: final params sha256 (\w+)", output)
+
+
+def layout_runs(script, env_id, tmp_path) -> dict:
+    """{layout: (curves, final digests)} of the four layouts."""
+    runs = {}
+    for name, (flags, devices) in LAYOUTS.items():
+        process = run_script(script, [*exact_args(script, env_id, 2), *flags], tmp_path / name, devices=devices,
+                             timeout=600)
+        check_ok(process)
+        # What XLA is told: deterministic GPU kernels (a flag XLA:CPU also parses, or it would abort at start).
+        assert "XLA_FLAGS:" in process.stdout and "--xla_gpu_deterministic_ops=true" in process.stdout
+        runs[name] = curves(run_dir(tmp_path / name)), final_digests(process.stdout)
+    pair = start_pair(script, tmp_path / "d2", [*exact_args(script, env_id, 1), "--actor-device-ids", "0",
+                                                "--learner-device-ids", "1"], devices=2)
+    outputs = [process.communicate(timeout=600)[0] for process in pair]
+    for process, output in zip(pair, outputs):
+        assert process.returncode == 0, output
+    runs["a0-l1-d2"] = curves(run_dir(tmp_path / "d2" / "rank0")), final_digests(outputs[0] + outputs[1])
+    return runs
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Breakout-v5"])
+def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
+    for name in [*LAYOUTS, "d2"]:
+        (tmp_path / name).mkdir()
+    runs = layout_runs(script, env_id, tmp_path)
+    reference, (digest,) = runs.pop("a0-l0")
+    checksums = reference["stats/params_checksum"]
+    assert len(checksums) == ITERATIONS and len(set(checksums)) == ITERATIONS  # the params changed every time
+    assert len(reference["charts/episodic_return"]) > 0
+    for name, (logged, digests) in runs.items():
+        for tag in CURVES:  # bitwise: the float32 values as logged, every iteration
+            assert logged[tag].tobytes() == reference[tag].tobytes(), (name, tag, logged[tag], reference[tag])
+        assert set(digests) == {digest}, (name, digests, digest)
+    # The report a user runs on two such runs says so.
+    report = subprocess.run([sys.executable, "-m", "cleanba.compare_layouts", run_dir(tmp_path / "a0-l0"),
+                             run_dir(tmp_path / "d2" / "rank0"), "--tags", *CURVES, "--out", tmp_path / "cmp.png"],
+                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    check_ok(report)
+    assert report.stdout.count("max |a - b| = 0,") == len(CURVES), report.stdout
+    assert "bitwise identical" in report.stdout, report.stdout
