@@ -222,3 +222,33 @@ def test_learner_shards_split_every_env_once(envs, devices, groups, multiple):
     # The padding is the least that equal widths need: one device's share of envs, rounded up per group.
     per_group = -(-(-(-envs // devices)) // groups)
     assert len(columns[0]) == groups * (-(-per_group // multiple) * multiple)
+
+
+@pytest.mark.parametrize("script, envs, devices, minibatches, group_envs",
+                         [("impala", 64, 3, 4, 2), ("impala", 10, 2, 4, 2), ("impala", 8, 3, 2, 2),
+                          ("ppo", 64, 3, 4, 8), ("ppo", 10, 4, 4, 4), ("ppo", 4, 3, 2, 2)])
+def test_exact_groups_are_the_same_on_every_layout(script, envs, devices, minibatches, group_envs):
+    """With --exact, the groups a layout's devices hold (as the update forms them: by minibatch class in column
+    order, then runs of group_envs columns) are exactly the layout-free partition: per minibatch class, the thread's
+    envs of that class in id order, cut every group_envs envs (pads only at the end of the last group)."""
+    import dataclasses
+    import importlib
+
+    module = importlib.import_module(f"cleanba.cleanba_{script}")
+    args = dataclasses.replace(module.Args(), num_minibatches=minibatches, exact=True, group_envs=group_envs)
+    classes = minibatches if script == "impala" else 1
+    env_ids = np.arange(envs, 2 * envs, dtype=np.int32)  # the second actor thread's envs
+    expected = set()
+    for k in range(classes):
+        members = env_ids[env_ids % classes == k]
+        expected |= {tuple(members[i:i + group_envs]) for i in range(0, len(members), group_envs)}
+    found = set()
+    for envs_slice, pad_ids in module.learner_shards(args, env_ids, devices):
+        device = np.concatenate([env_ids[envs_slice], pad_ids])
+        by_class = device[np.argsort(device % classes, kind="stable")].reshape(classes, -1, group_envs)
+        for group in by_class.reshape(-1, group_envs):
+            real = group[group >= 0]
+            assert np.all(group[len(real):] < 0), group  # pads after the real envs only
+            if len(real):
+                found.add(tuple(real))
+    assert found == expected
