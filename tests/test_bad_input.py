@@ -1,5 +1,4 @@
 """Bad input is refused right after parsing: exit 2, a message naming the flag and the fix, no traceback."""
-import time
 
 import pytest
 
@@ -25,30 +24,30 @@ MINIBATCH_CASE = {  # the constraint each algorithm puts on minibatch sizes
 }
 
 
-def check_refused(process, seconds, *fragments):
+def check_refused(process, *fragments):
     assert process.returncode == 2, process.stderr
     assert "Traceback" not in process.stderr
     assert "error:" in process.stderr
     for fragment in fragments:
         assert fragment in process.stderr, (fragment, process.stderr)
-    assert seconds < 10
+    # Refused before anything started: no start line, no iteration (run_script's timeout bounds a hang; a
+    # wall-clock bound here failed on a loaded 2-core machine, 14-17 s against 10).
+    assert "iterations of batch_size" not in process.stdout and "step " not in process.stdout, process.stdout
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_refused(script, case, tmp_path):
     flags, devices, *fragments = CASES[case]
-    start = time.time()
     process = run_script(script, ["--env-id", "CartPole-v1", *flags], tmp_path, devices=devices, timeout=60)
-    check_refused(process, time.time() - start, *fragments)
+    check_refused(process, *fragments)
     assert not (tmp_path / "runs").exists()
 
 
 def test_minibatch_sizes_refused(script, tmp_path):
     flags, *fragments = MINIBATCH_CASE[script]
-    start = time.time()
     process = run_script(script, ["--env-id", "CartPole-v1", "--learner-device-ids", "0", *flags], tmp_path,
                          timeout=60)
-    check_refused(process, time.time() - start, *fragments)
+    check_refused(process, *fragments)
 
 
 def numeric_flags(module) -> dict:
