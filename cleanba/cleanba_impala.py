@@ -582,8 +582,10 @@ def impala_loss(agent: Agent, args: Args, params, batch: dict, count):
     mask = batch["valid"]
     metrics = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy,
                    approx_kl=(rhos - 1) - logratio, clipped_rho_fraction=(rhos > 1.0).astype(jnp.float32))
-    metrics = {k: jnp.sum(v * mask) / count for k, v in metrics.items()}
-    return jnp.sum(loss * mask), metrics
+    # Masked sums as dots: XLA computes a dot as one op, while a reduce of v * mask fused with its producers was
+    # summed in another order in one group position of four, so logged losses differed in the last bit (issue 16).
+    metrics = {k: jnp.vdot(v, mask) / count for k, v in metrics.items()}
+    return jnp.vdot(loss, mask), metrics
 
 
 def summed_gradients(grad_fn, params, micro_batches: dict, count, unroll: bool):

@@ -583,7 +583,9 @@ def ppo_loss(agent: Agent, args: Args, params, batch: dict, count):
     mask = batch["valid"]
     metrics = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy,
                    approx_kl=(ratio - 1) - logratio, clipfrac=(jnp.abs(ratio - 1) > args.clip_coef).astype(jnp.float32))
-    metrics = {k: jnp.sum(v * mask) / count for k, v in metrics.items()}
+    # Masked sums as dots: XLA computes a dot as one op, while a reduce of v * mask fused with its producers was
+    # summed in another order in one group position of four, so logged losses differed in the last bit (issue 16).
+    metrics = {k: jnp.vdot(v, mask) / count for k, v in metrics.items()}
     return metrics["loss"], metrics
 
 
@@ -606,8 +608,8 @@ def update_minibatch(agent: Agent, args: Args, unroll: bool, state: TrainState, 
     count = jnp.maximum(total(jnp.sum, mask), 1.0)
     if args.norm_adv:  # statistics of the global minibatch, whatever the layout
         advantages = batch["advantages"]
-        mean = total(lambda a, m: jnp.sum(a * m), advantages, mask) / count
-        std = jnp.sqrt(total(lambda a, m: jnp.sum((a - mean) ** 2 * m), advantages, mask) / count)
+        mean = total(jnp.vdot, advantages, mask) / count
+        std = jnp.sqrt(total(lambda a, m: jnp.vdot((a - mean) ** 2, m), advantages, mask) / count)
         batch["advantages"] = (advantages - mean) / (std + 1e-8)
     batch["valid"] = mask
     grad_fn = jax.grad(partial(ppo_loss, agent, args), has_aux=True)
