@@ -7,7 +7,6 @@ Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metri
 """
 import faulthandler
 import hashlib
-import json
 import os
 import queue
 import signal
@@ -17,7 +16,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from functools import partial, reduce
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional
@@ -34,7 +33,6 @@ if version("jaxlib").startswith("0.10.") and "ynn_fusion_type" not in os.environ
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_experimental_ynn_fusion_type=reduce".strip()
 
 import envpool
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -281,7 +279,9 @@ class ConvSequence(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Conv(self.channels, (3, 3))(x)
-        if jax.default_backend() == "cpu":  # same values and gradients, faster on XLA:CPU (end of this file)
+        if jax.default_backend() == "cpu":  # same values and gradients, faster on XLA:CPU (README "Performance")
+            from cleanba.xla_cpu import max_pool
+
             x = max_pool(x)
         else:
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
@@ -738,66 +738,15 @@ def make_process_gather(mesh: Mesh, local_learner_devices: list):
     return gather
 
 
+def host(tree):
+    """The learner's replicated arrays as numpy arrays, for checkpoints and saved models."""
+    return jax.device_get(first_replica(tree))
+
+
 def digest(tree) -> str:
     """A short sha256 of a pytree's values, printed so that replicas and resumed states can be compared."""
     leaves = jax.device_get(jax.tree.leaves(tree))
     return hashlib.sha256(b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves)).hexdigest()[:16]
-
-
-def write_atomically(path: Path, payload: dict):
-    """msgpack to a temporary file, fsync, rename: the file at `path` is always a complete one (old or new)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(flax.serialization.msgpack_serialize(payload))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
-
-
-def save_model(path: Path, args: Args, params):
-    """Args and params in one msgpack file, and the name of the script that defines the network and envs."""
-    write_atomically(path, {"args": json.dumps(asdict(args)), "script": Path(__file__).name,
-                            "params": flax.serialization.to_state_dict(jax.device_get(params))})
-
-
-def load_model(path: Path):
-    """Returns (args dict, params) of a file written by save_model."""
-    payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
-    return json.loads(payload["args"]), payload["params"]
-
-
-def save_checkpoint(path: Path, args: Args, state: TrainState, iteration: int):
-    """Params, optimizer state and its step count, the iteration (which fixes the global step, the policy
-    versions and the actors' RNG counters) and the args (which fix the seeds)."""
-    train_state = flax.serialization.to_state_dict(jax.device_get(first_replica(state)))
-    write_atomically(path, {"args": json.dumps(asdict(args)), "iteration": iteration, "train_state": train_state})
-
-
-# Flags that may change on resume: they change where and how a run computes or reports, not what it learns.
-RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency",
-                     "eval_episodes", "capture_video", "upload_model", "hf_repo_id",
-                     "local_num_envs", "num_actor_threads", "actor_device_ids", "learner_device_ids", "distributed",
-                     "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "run_name",
-                     "checkpoint_frequency", "resume", "world_size", "local_rank", "local_batch_size",
-                     "local_minibatch_size"}
-
-
-def load_checkpoint(path: Path, args: Args, state: TrainState):
-    """Returns (iteration, state) of a checkpoint, refusing one whose hyperparameters differ from args."""
-    payload = flax.serialization.msgpack_restore(path.read_bytes())
-    saved, current = json.loads(payload["args"]), json.loads(json.dumps(asdict(args)))
-    conflicts = [f"{key}={saved[key]} (now {current[key]})" for key in saved
-                 if key not in RESUME_MAY_CHANGE and saved[key] != current.get(key)]
-    if conflicts:
-        fail(f"--resume: the checkpoint {path} was trained with {', '.join(conflicts)}; resume with the same "
-             f"hyperparameters and global sizes, or start a new run with another --run-name")
-    restored = flax.serialization.from_state_dict(jax.device_get(first_replica(state)), payload["train_state"])
-    return payload["iteration"], restored
 
 
 def default_run_name(args: Args) -> str:
@@ -932,6 +881,9 @@ def main(args: Args):
         fail(f"--resume: no checkpoint at {checkpoint_path}; give the --run-name of a run that saved one "
              f"(--checkpoint-frequency)")
 
+    if args.checkpoint_frequency or resume or args.save_model:  # optional file I/O, imported only when used
+        from cleanba import checkpoint
+
     agent, state, action_key, shuffle_key = make_agent(args, mesh)
     if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
         from cleanba.evaluate import check_network
@@ -939,7 +891,11 @@ def main(args: Args):
         check_network(sys.modules[__name__], args, first_replica(state.params))
     start_iteration = 1
     if resume:
-        completed, restored = load_checkpoint(checkpoint_path, args, state)
+        try:
+            completed, restored = checkpoint.load_checkpoint(checkpoint_path, asdict(args), host(state))
+        except ValueError as error:
+            fail(f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
+                 "with another --run-name")
         state, start_iteration = jax.device_put(restored, NamedSharding(mesh, P())), completed + 1
         print(f"rank {args.local_rank}: resumed {checkpoint_path} at iteration {completed} (global step "
               f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
@@ -1038,7 +994,7 @@ def main(args: Args):
                 logger.log(iteration, [info for _, info in items], episodes, rollout_queue_wait,
                            learner_update_time, state, metrics)
                 if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
-                    save_checkpoint(checkpoint_path, args, state, iteration)
+                    checkpoint.save_checkpoint(checkpoint_path, asdict(args), host(state), iteration)
             # All processes see a SIGTERM (e.g. SLURM preemption) at the same iteration and stop together.
             if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
                 stop_signals.append(signal.SIGTERM)
@@ -1048,7 +1004,7 @@ def main(args: Args):
         print(f"rank {args.local_rank}: final params sha256 {digest(first_replica(state.params))}", flush=True)
         if args.save_model and is_writer:
             model_path = run_dir / f"{args.exp_name}.cleanba_model"
-            save_model(model_path, args, first_replica(state.params))
+            checkpoint.save_model(model_path, Path(__file__).name, asdict(args), host(state.params))
             print(f"model saved to {model_path}", flush=True)
     except StopTraining:
         pass  # a signal, or an actor failed: handled below
@@ -1059,7 +1015,7 @@ def main(args: Args):
         if any(thread.is_alive() for thread in threads):
             print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
         if stop_signals and not errors and is_writer and args.checkpoint_frequency and completed >= start_iteration:
-            save_checkpoint(checkpoint_path, args, state, completed)
+            checkpoint.save_checkpoint(checkpoint_path, asdict(args), host(state), completed)
             print(f"checkpoint of iteration {completed} saved to {checkpoint_path}", flush=True)
         if args.distributed:  # a barrier of all processes: before rank 0's evaluation, so that none waits for it
             jax.distributed.shutdown()
@@ -1083,65 +1039,6 @@ def main(args: Args):
     if stop_signals:
         print(f"stopped by signal {stop_signals[0]} after iteration {completed}", file=sys.stderr)
         sys.exit(128 + stop_signals[0])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# XLA:CPU only: a max pool whose gradient avoids XLA:CPU's slow select_and_scatter. Accelerators use nn.max_pool.
-
-
-def pool_windows(x):
-    """The 9 strided views of a 3x3, stride-2, SAME max pool over NHWC x (padded with -inf), and the padding."""
-    out_h, out_w = -(-x.shape[1] // 2), -(-x.shape[2] // 2)
-    pad_h, pad_w = 2 * out_h + 1 - x.shape[1], 2 * out_w + 1 - x.shape[2]
-    pads = ((0, 0), (pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0))
-    x = jnp.pad(x, pads, constant_values=-jnp.inf)
-    return [x[:, i:i + 2 * out_h:2, j:j + 2 * out_w:2] for i in range(3) for j in range(3)], pads
-
-
-def interleave(even, odd, axis: int):
-    """e0 o0 e1 o1 ... en along axis, from even (n + 1 long) and odd (n long)."""
-    both = jnp.stack([even, jnp.pad(odd, [(0, int(a == axis)) for a in range(odd.ndim)])], axis=axis + 1)
-    shape = list(even.shape)
-    shape[axis] *= 2
-    return jax.lax.slice_in_dim(both.reshape(shape), 0, shape[axis] - 1, axis=axis)
-
-
-@jax.custom_vjp
-def max_pool(x):
-    """nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") with the same values and bitwise the same gradients.
-
-    XLA:CPU's max-pool gradient (select_and_scatter) is 30% of the default network's gradient time; this one
-    costs at most a third of that (README "Performance"). The forward pass computes the same maxima."""
-    return reduce(jnp.maximum, pool_windows(x)[0])
-
-
-def max_pool_forward(x):
-    y = max_pool(x)
-    return y, (x, y)
-
-
-def max_pool_backward(residuals, dy):
-    # Like select_and_scatter, each window's gradient goes to its first maximum in row-major order. Padded input
-    # row 2m gets shares from window rows m - 1 (offset 2) and m (offset 0), row 2m + 1 from window row m
-    # (offset 1), and likewise for columns; shares are added in row-major window order, as XLA adds them, so the
-    # sums round the same way.
-    x, y = residuals
-    windows, pads = pool_windows(x)
-    first = reduce(jnp.minimum, [jnp.where(window == y, k, 9) for k, window in enumerate(windows)])
-    share = [jnp.where(first == k, dy, 0.0) for k in range(9)]  # share[3 * row offset + column offset]
-
-    def place(k, rows, cols):  # (1, 0): offset 2 lands one window later; (0, 1): offset 0
-        return jnp.pad(share[k], ((0, 0), rows, cols, (0, 0)))
-
-    late, early, none = (1, 0), (0, 1), (0, 0)
-    even_even = place(8, late, late) + place(6, late, early) + place(2, early, late) + place(0, early, early)
-    even_odd = place(7, late, none) + place(1, early, none)
-    odd_even = place(5, none, late) + place(3, none, early)
-    dx = interleave(interleave(even_even, even_odd, 2), interleave(odd_even, share[4], 2), 1)
-    return (dx[:, pads[1][0]:pads[1][0] + x.shape[1], pads[2][0]:pads[2][0] + x.shape[2]],)
-
-
-max_pool.defvjp(max_pool_forward, max_pool_backward)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, check_ok, run_dir, run_script, scalars, script_env, start_pair
+from conftest import ROOT, check_ok, run_dir, run_script, scalars, script_command, script_env, start_pair
 
 ITERATIONS = 30
 ENVS = 4  # per actor thread
@@ -95,3 +95,35 @@ def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
     check_ok(report)
     assert report.stdout.count("max |a - b| = 0,") == len(CURVES), report.stdout
     assert "bitwise identical" in report.stdout, report.stdout
+
+
+def test_resume_on_another_layout_is_exact(script, tmp_path):
+    """A checkpoint resumed on a0-l1,2 trains what it trains resumed on a0-l0, bit for bit: a requeued job may land
+    on another device count (--learner-device-ids may change on resume)."""
+    import shutil
+    import signal
+
+    iterations = 60
+    args = [*exact_args(script, "CartPole-v1", 2), "--checkpoint-frequency", "1000", "--run-name", "r"]
+    args[args.index("--total-timesteps") + 1] = iterations * 2 * ENVS * SIZES[script, "CartPole-v1"][1]
+    first = subprocess.Popen(script_command(script, args), cwd=tmp_path, env=script_env(DEVICES), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in first.stdout:  # stop once training is under way: SIGTERM checkpoints the last whole iteration
+        if line.startswith("step "):
+            first.send_signal(signal.SIGTERM)
+            break
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode == 143, output
+    stopped_at = int(re.search(r"checkpoint of iteration (\d+) saved", output).group(1))
+    assert 1 <= stopped_at < iterations
+    runs = {}
+    for name, flags in [("a0-l0", []), ("a0-l1,2", LAYOUTS["a0-l1,2"])]:
+        shutil.copytree(tmp_path / "runs", tmp_path / name / "runs")
+        process = run_script(script, [*args, "--resume", *flags], tmp_path / name, devices=DEVICES, timeout=300)
+        check_ok(process)
+        runs[name] = curves(run_dir(tmp_path / name)), final_digests(process.stdout)
+    (reference, digest), (logged, digests) = runs["a0-l0"], runs["a0-l1,2"]
+    assert len(reference["stats/params_checksum"]) == iterations  # the stopped run's iterations, then the resumed
+    for tag in CURVES:
+        assert logged[tag].tobytes() == reference[tag].tobytes(), (tag, logged[tag], reference[tag])
+    assert digests == digest and len(digest) == 1

@@ -54,13 +54,10 @@ def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
             assert np.all(losses[name][-1] > 0), (new_tag, losses[name][-1])
     np.testing.assert_allclose(losses["a0-l1,2"], losses["a0-l0"], rtol=1e-4, atol=1e-6)
     if patch == "nature_cnn":  # the saved model is the Nature CNN, and its evaluation ran
-        import importlib.util
+        from cleanba.checkpoint import load_model
 
-        spec = importlib.util.spec_from_file_location("forked_ppo", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         (model,) = run_dir(tmp_path / "a0-l0").glob("*.cleanba_model")
-        _, params = module.load_model(model)
+        _, params = load_model(model)
         kernels = {k: v.shape for k, v in flatten_dict(params).items() if k[-1] == "kernel"}
         assert kernels[("params", "Conv_0", "kernel")] == (8, 8, 4, 32), kernels
         assert "eval/episodic_return" in scalars(run_dir(tmp_path / "a0-l0"))

@@ -125,7 +125,8 @@ def test_distributed_signal_stops_all_ranks_at_one_iteration(signum, receivers, 
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
-    module = importlib.import_module("cleanba.cleanba_ppo")
+    from cleanba import checkpoint as module
+
     path = tmp_path / "checkpoint.msgpack"
     module.write_atomically(path, {"iteration": 1, "data": np.arange(1000)})
 

@@ -104,8 +104,9 @@ def test_save_model_round_trip(script, tmp_path):
     import jax
     from flax.traverse_util import flatten_dict
 
-    module = importlib.import_module(f"cleanba.cleanba_{script}")
-    Agent, load_model = module.Agent, module.load_model
+    from cleanba.checkpoint import load_model
+
+    Agent = importlib.import_module(f"cleanba.cleanba_{script}").Agent
 
     _, total = tiny_run(script, tmp_path, ["--save-model", "--exp-name", "tiny"], iterations=3)
     (path,) = run_dir(tmp_path).glob("*.cleanba_model")

@@ -1,0 +1,66 @@
+"""Checkpoints and saved models of the training scripts: one msgpack file each, never left half-written.
+
+Imported by cleanba_ppo.py and cleanba_impala.py only when a run checkpoints, resumes or saves its model
+(--checkpoint-frequency, --resume, --save-model). Everything passed in is on the host (jax.device_get).
+
+    args, params = load_model("runs/<run_name>/cleanba_ppo.cleanba_model")
+"""
+import json
+import os
+from pathlib import Path
+
+import flax.serialization
+
+# Flags that may change on resume: they change where and how a run computes or reports, not what it learns.
+RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency",
+                     "eval_episodes", "capture_video", "upload_model", "hf_repo_id",
+                     "local_num_envs", "num_actor_threads", "actor_device_ids", "learner_device_ids", "distributed",
+                     "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "run_name",
+                     "checkpoint_frequency", "resume", "world_size", "local_rank", "local_batch_size",
+                     "local_minibatch_size"}
+
+
+def write_atomically(path: Path, payload: dict):
+    """msgpack to a temporary file, fsync, rename: the file at `path` is always a complete one (old or new)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(flax.serialization.msgpack_serialize(payload))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def save_model(path: Path, script: str, args: dict, params):
+    """Args and params in one file, and the name of the script that defines the network and envs."""
+    write_atomically(path, {"args": json.dumps(args), "script": script,
+                            "params": flax.serialization.to_state_dict(params)})
+
+
+def load_model(path: Path):
+    """Returns (args dict, params) of a file written by save_model."""
+    payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+    return json.loads(payload["args"]), payload["params"]
+
+
+def save_checkpoint(path: Path, args: dict, train_state, iteration: int):
+    """Params, optimizer state and its step count, the iteration (which fixes the global step, the policy
+    versions and the actors' RNG counters) and the args (which fix the seeds)."""
+    write_atomically(path, {"args": json.dumps(args), "iteration": iteration,
+                            "train_state": flax.serialization.to_state_dict(train_state)})
+
+
+def load_checkpoint(path: Path, args: dict, template):
+    """Returns (iteration, train state like template) of a checkpoint; ValueError, naming the flags, where its
+    hyperparameters differ from args."""
+    payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+    saved, current = json.loads(payload["args"]), json.loads(json.dumps(args))
+    conflicts = [f"{key}={saved[key]} (now {current[key]})" for key in saved
+                 if key not in RESUME_MAY_CHANGE and saved[key] != current.get(key)]
+    if conflicts:
+        raise ValueError(f"the checkpoint {path} was trained with {', '.join(conflicts)}")
+    return payload["iteration"], flax.serialization.from_state_dict(template, payload["train_state"])
