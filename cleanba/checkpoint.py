@@ -3,7 +3,7 @@
 Imported by cleanba_ppo.py and cleanba_impala.py only when a run checkpoints, resumes or saves its model
 (--checkpoint-frequency, --resume, --save-model). Everything passed in is on the host (jax.device_get).
 
-    args, params = load_model("runs/<run_name>/cleanba_ppo.cleanba_model")
+    args, params, script = load_model("runs/<run_name>/cleanba_ppo.cleanba_model")
 """
 import json
 import os
@@ -42,9 +42,9 @@ def save_model(path: Path, script: str, args: dict, params):
 
 
 def load_model(path: Path):
-    """Returns (args dict, params) of a file written by save_model."""
+    """Returns (args dict, params, file name of the training script) of a file written by save_model."""
     payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
-    return json.loads(payload["args"]), payload["params"]
+    return json.loads(payload["args"]), payload["params"], payload.get("script")
 
 
 def save_checkpoint(path: Path, args: dict, train_state, iteration: int):

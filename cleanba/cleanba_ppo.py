@@ -5,8 +5,6 @@ Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metri
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
-import faulthandler
-import hashlib
 import os
 import queue
 import signal
@@ -14,7 +12,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from importlib.metadata import version
@@ -44,7 +41,9 @@ from flax.training.train_state import TrainState
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tensorboardX import SummaryWriter
+
+from cleanba.plumbing import (IterationLogger, Stopwatch, check_devices, check_flags, default_run_name, digest,
+                              fail, first_replica, watch_progress)
 
 
 @dataclass
@@ -154,12 +153,6 @@ class Args:
     num_iterations: tyro.conf.Suppress[int] = 0
 
 
-def fail(message: str):
-    """Refuse bad input before any env, thread or device work: exit status 2, no traceback."""
-    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 # The meaningful range of every numeric flag, "[" and "]" including the bound, "(" and ")" excluding it. A value
 # outside it (NaN included) is refused before anything starts, rather than found hours into a run.
 FLAG_RANGES = {
@@ -172,55 +165,12 @@ FLAG_RANGES = {
 }
 
 
-def in_range(value: float, interval: str) -> bool:
-    low, high = (float(bound) for bound in interval[1:-1].split(","))
-    above = value >= low if interval[0] == "[" else value > low
-    below = value <= high if interval[-1] == "]" else value < high
-    return above and below
-
-
 def check_args(args: Args):
-    for name, interval in FLAG_RANGES.items():
-        if not in_range(getattr(args, name), interval):
-            fail(f"--{name.replace('_', '-')}={getattr(args, name)} is outside its meaningful range {interval}; "
-                 f"give a value in {interval}")
-    if (args.capture_video or args.upload_model) and not (args.save_model and args.eval_episodes):
-        fail("--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
-             "(and keep --eval-episodes above 0)")
-    if args.upload_model:  # a missing Hub token must not surface only at the end of a long run
-        from cleanba.evaluate import check_hub_login
-
-        check_hub_login()
-    if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
-        fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
-    if not args.channels or min(args.channels) <= 0:
-        fail(f"--channels {' '.join(map(str, args.channels))}: give one or more positive channel counts")
-    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
-        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-            fail(f"{flag} {' '.join(map(str, ids))}: give one or more distinct, non-negative local device ids")
+    check_flags(args, FLAG_RANGES)  # ranges, device ids, flags that act together (cleanba/plumbing.py)
     slots = args.num_minibatches * args.gradient_accumulation_steps
     if args.num_steps % slots:
         fail(f"--num-steps={args.num_steps} must be divisible by --num-minibatches x --gradient-accumulation-steps "
              f"= {slots} (each minibatch takes the same number of time steps from every env); use a multiple of {slots}")
-    explicit = {"--coordinator-address": args.coordinator_address, "--num-processes": args.num_processes,
-                "--process-id": args.process_id}
-    given = [flag for flag, value in explicit.items() if value is not None]
-    if given and not args.distributed:
-        fail(f"{' '.join(given)} only apply to multi-process runs; add --distributed")
-    if (args.num_processes is None) != (args.process_id is None):
-        fail("give --num-processes and --process-id together (or neither, under SLURM)")
-    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
-        fail(f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
-             f"{args.num_processes}")
-    if args.env_id not in envpool.list_all_envs():
-        fail(f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, CartPole-v1)")
-
-
-def check_devices(args: Args, num_local_devices: int):
-    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
-        if max(ids) >= num_local_devices:
-            fail(f"{flag} {' '.join(map(str, ids))}: this process has {num_local_devices} local device(s), "
-                 f"ids 0..{num_local_devices - 1}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N")
 
 
 def fill_runtime_sizes(args: Args, world_size: int, local_rank: int):
@@ -416,18 +366,6 @@ def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devi
         return jax.make_array_from_single_device_arrays(tuple(global_shape), NamedSharding(mesh, spec), parts)
 
     return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
-
-
-class Stopwatch:
-    """Sums of perf_counter intervals by name: where an actor's rollout time goes (stats/actor_*_time)."""
-
-    def __init__(self):
-        self.sums, self.last = {}, time.perf_counter()
-
-    def lap(self, name: str):
-        now = time.perf_counter()
-        self.sums[name] = self.sums.get(name, 0.0) + now - self.last
-        self.last = now
 
 
 def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, mesh: Mesh,
@@ -709,21 +647,6 @@ def make_agent(args: Args, mesh: Mesh):
     return agent, jax.device_put(state, NamedSharding(mesh, P())), action_key, shuffle_key
 
 
-def first_replica(tree):
-    """The learner's replicated arrays as arrays on one local device, for the actors and for saving."""
-    return jax.tree.map(lambda x: x.addressable_data(0), tree)
-
-
-@jax.jit
-def params_checksum(params):
-    """A 24-bit checksum of the params' bits, exact as a logged float (stats/params_checksum): runs that learn the
-    same params log the same value. Integer sums do not depend on the order of their additions."""
-    words = jnp.concatenate([jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).ravel()
-                             for x in jax.tree.leaves(params)])
-    total = jnp.sum(words * (2 * jnp.arange(words.size, dtype=jnp.uint32) + 1))  # weighted: positions count
-    return (total ^ (total >> 24)) & 0xFFFFFF
-
-
 def make_process_gather(mesh: Mesh, local_learner_devices: list):
     """x of every process, stacked in process order, through the learner devices (an actor's device may be busy
     with inference: no collective runs there). For the episodes of all processes' envs, on every process."""
@@ -743,22 +666,6 @@ def host(tree):
     return jax.device_get(first_replica(tree))
 
 
-def digest(tree) -> str:
-    """A short sha256 of a pytree's values, printed so that replicas and resumed states can be compared."""
-    leaves = jax.device_get(jax.tree.leaves(tree))
-    return hashlib.sha256(b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves)).hexdigest()[:16]
-
-
-def default_run_name(args: Args) -> str:
-    """Deterministic under SLURM, so that a requeued job finds its checkpoint; the start time otherwise."""
-    name = f"{args.env_id}__{args.exp_name}__{args.seed}"
-    if "SLURM_ARRAY_JOB_ID" in os.environ:
-        return f"{name}__{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    if "SLURM_JOB_ID" in os.environ:
-        return f"{name}__{os.environ['SLURM_JOB_ID']}"
-    return f"{name}__{int(time.time())}"
-
-
 def run_thread(target, stop: threading.Event, errors: list, *thread_args):
     """Thread body: any error stops the whole run and is re-raised by the main thread."""
     try:
@@ -768,77 +675,6 @@ def run_thread(target, stop: threading.Event, errors: list, *thread_args):
     except BaseException as error:
         errors.append(error)
         stop.set()
-
-
-def watch_progress(last_progress: list, timeout: float, stop: threading.Event):
-    """JAX does not detect a peer that is alive but stuck (e.g. in a collective): abort instead of hanging."""
-    while not stop.wait(1.0):
-        if time.time() - last_progress[0] > timeout:
-            print(f"error: no iteration completed in {timeout} s (--stall-timeout); a process or device is stuck. "
-                  "Stacks:", file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(all_threads=True)
-            os._exit(1)  # the main thread is blocked: no orderly shutdown is possible
-
-
-def format_duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
-
-
-class IterationLogger:
-    """Writes stats/ every iteration, and charts/, losses/ and the console line every log_frequency."""
-
-    def __init__(self, args: Args, writer: SummaryWriter):
-        self.args, self.writer = args, writer
-        self.recent_returns, self.recent_lengths = deque(maxlen=20), deque(maxlen=20)
-        self.window_start, self.window_steps = time.time(), 0
-
-    def log(self, iteration: int, infos: list, episodes: np.ndarray, rollout_queue_wait: float,
-            learner_update_time: float, state: TrainState, metrics: dict):
-        """episodes: (2, T, num_envs) returns and lengths of the games of all envs that ended (NaN elsewhere)."""
-        args, writer = self.args, self.writer
-        ended = np.isfinite(episodes[0])  # in (step, global env id) order: the same on every layout
-        self.recent_returns.extend(episodes[0][ended])
-        self.recent_lengths.extend(episodes[1][ended])
-        global_step = iteration * args.batch_size
-        self.window_steps += args.batch_size
-        stats = {
-            "actor_policy_version": min(info.policy_version for info in infos),
-            "learner_policy_version": iteration - 1,  # the version this update trained
-            "rollout_queue_wait": rollout_queue_wait,
-            "param_queue_wait": float(np.mean([info.param_queue_wait for info in infos])),
-            "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in infos])),
-            "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
-            "learner_update_time": learner_update_time,
-            "params_checksum": int(params_checksum(first_replica(state.params))),
-        }
-        for name in infos[0].timings:  # where the actors' rollout time went, e.g. stats/actor_env_recv_time
-            stats[f"actor_{name}_time"] = float(np.mean([info.timings[name] for info in infos]))
-        for key, value in stats.items():
-            writer.add_scalar(f"stats/{key}", value, global_step)
-        if iteration % args.log_frequency and iteration != args.num_iterations:
-            return
-        for key, value in jax.device_get(first_replica(metrics)).items():
-            writer.add_scalar(f"losses/{key}", float(value), global_step)
-        sps = self.window_steps / (time.time() - self.window_start)
-        self.window_start, self.window_steps = time.time(), 0
-        # By name, wherever the optimizer chain keeps it (inject_hyperparams's value, not its schedule's state).
-        learning_rate = optax.tree_utils.tree_get(state.opt_state, "learning_rate",
-                                                  filtering=lambda _, value: isinstance(value, jax.Array))
-        learning_rate = jax.device_get(first_replica(learning_rate))
-        writer.add_scalar("charts/SPS", sps, global_step)
-        writer.add_scalar("charts/learning_rate", float(learning_rate), global_step)
-        recent = "n/a"
-        if self.recent_returns:
-            recent = f"{np.mean(self.recent_returns):.1f}"
-            writer.add_scalar("charts/episodic_return", np.mean(self.recent_returns), global_step)
-            writer.add_scalar("charts/episodic_length", np.mean(self.recent_lengths), global_step)
-        eta = (args.num_iterations - iteration) * args.batch_size / sps
-        print(f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
-              f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
-              f"lag {stats['learner_policy_version'] - stats['actor_policy_version']} | "
-              f"ETA {format_duration(eta)}", flush=True)
 
 
 def initialize_distributed(args: Args):
@@ -901,18 +737,10 @@ def main(args: Args):
               f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
               f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}", flush=True)
 
-    writer = None
+    logger = None
     if is_writer:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, id=run_name, resume="allow", save_code=True)
-        # On resume, drop what the stopped run logged after its checkpoint: the curves continue from there.
-        purge_step = (start_iteration - 1) * args.batch_size + 1 if resume else None
-        writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                        "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+        purge_step = (start_iteration - 1) * args.batch_size + 1 if resume else None  # drop logs after it
+        logger = IterationLogger(args, run_name, run_dir, purge_step)
         pads = sum(len(pad_ids) for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs),
                                                                  len(local_learner_devices)))
         padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
@@ -943,18 +771,13 @@ def main(args: Args):
 
     def on_signal(signum, frame):  # stop at the next queue wait or iteration boundary, checkpoint, exit
         stop_signals.append(signum)
-        stop.set()
+        if args.distributed:  # processes must stop after the same iteration, or one would wait forever in a
+            os.kill(os.getpid(), signal.SIGTERM)  # collective: JAX's preemption notifier syncs them (below)
+        else:
+            stop.set()
 
-    def on_signal_distributed(signum, frame):
-        # Processes must stop after the same iteration, or one would wait forever in a collective: hand the
-        # signal to JAX's preemption notifier (SIGTERM), whose sync point below all processes reach together.
-        stop_signals.append(signum)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    if args.distributed:  # JAX's notifier already holds SIGTERM
-        signal.signal(signal.SIGINT, on_signal_distributed)
-    else:
-        signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if not args.distributed:  # JAX's notifier already holds SIGTERM
         signal.signal(signal.SIGTERM, on_signal)
     completed = start_iteration - 1  # the last iteration whose update is in `state`
     model_path = None
@@ -968,7 +791,6 @@ def main(args: Args):
         if args.stall_timeout:
             threading.Thread(target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True,
                              name="watchdog").start()
-        logger = IterationLogger(args, writer)
         for iteration in range(start_iteration, args.num_iterations + 1):
             start = time.time()
             items = [queue_get(q, stop) for q in rollout_queues]
@@ -990,7 +812,7 @@ def main(args: Args):
                                       axis=2)
             if args.world_size > 1:
                 episodes = np.concatenate(list(process_gather(episodes)), axis=2)
-            if is_writer:
+            if logger is not None:
                 logger.log(iteration, [info for _, info in items], episodes, rollout_queue_wait,
                            learner_update_time, state, metrics)
                 if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
@@ -1023,15 +845,11 @@ def main(args: Args):
             if model_path is not None and args.eval_episodes and not stop_signals:
                 from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
 
-                evaluate_after_training(sys.modules[__name__], Path(__file__), args, model_path, writer, run_dir,
-                                        interrupted=lambda: bool(stop_signals))
+                evaluate_after_training(sys.modules[__name__], Path(__file__), args, model_path, logger.writer,
+                                        run_dir, interrupted=lambda: bool(stop_signals))
         finally:
-            if writer is not None:
-                writer.close()
-            if args.track and is_writer:
-                import wandb
-
-                wandb.finish()
+            if logger is not None:
+                logger.close()
     if errors:
         traceback.print_exception(errors[0])
         print(f"an actor thread failed ({type(errors[0]).__name__}); the run stopped", file=sys.stderr)

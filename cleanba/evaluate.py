@@ -16,7 +16,6 @@ videos to runs/<run_name>/videos/ with --capture-video, and uploads with --uploa
 import importlib.util
 import json
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -26,6 +25,9 @@ from typing import Optional
 
 import numpy as np
 import tyro
+
+from cleanba.checkpoint import load_model
+from cleanba.plumbing import fail
 
 VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 frames of the 60 Hz game
 
@@ -56,11 +58,6 @@ class Args:
     """the Hub repository, e.g. my-name/breakout-cleanba-ppo (default: <your user>/<env_id>-<exp_name>-seed<seed>)"""
 
 
-def fail(message: str):
-    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def check_hub_login():
     """Called before a long run starts, so that a missing token is not discovered at its end."""
     from huggingface_hub import get_token
@@ -78,10 +75,10 @@ def load_script(path: Path):
     return module
 
 
-def script_of(model_path: Path, payload: dict, script: Optional[Path]) -> Path:
+def script_of(model_path: Path, name: Optional[str], script: Optional[Path]) -> Path:
+    """--script, or the training script of this checkout named in the model file."""
     if script is not None:
         return script
-    name = payload.get("script")
     candidate = Path(__file__).with_name(name) if name else None
     if candidate is None or not candidate.exists():
         fail(f"{model_path} does not name a training script of this checkout ({name}); pass --script PATH of the "
@@ -295,10 +292,8 @@ def upload(model_path: Path, script_path: Path, train_args: dict, returns: list,
 def evaluate_after_training(module, script_path: Path, args, model_path: Path, writer, run_dir: Path,
                             interrupted=lambda: False):
     """The end of a --save-model run: evaluate the saved params, log eval/episodic_return, record, upload."""
-    import flax.serialization
-
     start = time.time()
-    params = flax.serialization.msgpack_restore(model_path.read_bytes())["params"]
+    params = load_model(model_path)[1]  # what the file holds: the round trip is part of what is evaluated
     video_dir = run_dir / "videos" if args.capture_video else None
     returns, lengths, videos = evaluate(module, args, params, args.eval_episodes, video_dir=video_dir,
                                         interrupted=interrupted)
@@ -318,15 +313,12 @@ def main(args: Args):
         fail(f"{args.model} is not a file; give the .cleanba_model written by a training run's --save-model")
     if args.upload_model:
         check_hub_login()
-    import flax.serialization
-
-    payload = flax.serialization.msgpack_restore(args.model.read_bytes())
-    script_path = script_of(args.model, payload, args.script)
+    train_args_dict, params, script_name = load_model(args.model)
+    script_path = script_of(args.model, script_name, args.script)
     module = load_script(script_path)
-    train_args_dict = json.loads(payload["args"])
     train_args = module.Args(**train_args_dict)
     video_dir = (args.video_dir or args.model.parent / "videos") if args.capture_video else None
-    returns, lengths, videos = evaluate(module, train_args, payload["params"], args.episodes, args.num_envs,
+    returns, lengths, videos = evaluate(module, train_args, params, args.episodes, args.num_envs,
                                         args.greedy, args.seed, video_dir)
     for episode, (value, length) in enumerate(zip(returns, lengths)):
         print(f"episode {episode}: return {value:.2f}, length {length}")

@@ -83,13 +83,15 @@ def test_every_numeric_flag_has_a_checked_range(script, capsys):
 
     import tyro
 
+    from cleanba.plumbing import in_range
+
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     flags = numeric_flags(module)
     assert set(flags) == set(module.FLAG_RANGES), "every numeric flag needs a range, and only those"
     defaults = module.Args()
     for name, kind in flags.items():
         interval = module.FLAG_RANGES[name]
-        assert module.in_range(getattr(defaults, name), interval), (name, "default outside its range")
+        assert in_range(getattr(defaults, name), interval), (name, "default outside its range")
         for value in outside(interval, kind):
             args = tyro.cli(module.Args, args=["--env-id", "CartPole-v1", f"--{name.replace('_', '-')}", str(value)])
             with pytest.raises(SystemExit) as refused:

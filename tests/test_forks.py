@@ -57,7 +57,7 @@ def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
         from cleanba.checkpoint import load_model
 
         (model,) = run_dir(tmp_path / "a0-l0").glob("*.cleanba_model")
-        _, params = load_model(model)
+        _, params, _ = load_model(model)
         kernels = {k: v.shape for k, v in flatten_dict(params).items() if k[-1] == "kernel"}
         assert kernels[("params", "Conv_0", "kernel")] == (8, 8, 4, 32), kernels
         assert "eval/episodic_return" in scalars(run_dir(tmp_path / "a0-l0"))

@@ -112,7 +112,8 @@ def test_save_model_round_trip(script, tmp_path):
     (path,) = run_dir(tmp_path).glob("*.cleanba_model")
     assert path.name == "tiny.cleanba_model"
     assert not list(run_dir(tmp_path).glob("*.tmp"))
-    saved_args, params = load_model(path)
+    saved_args, params, script_name = load_model(path)
+    assert script_name == f"cleanba_{script}.py"
     assert saved_args["env_id"] == "CartPole-v1" and saved_args["num_iterations"] == 3
     assert saved_args["batch_size"] * saved_args["num_iterations"] == total
     agent = Agent(2, tuple(saved_args["channels"]), saved_args["hidden_dim"])

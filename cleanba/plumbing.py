@@ -1,0 +1,213 @@
+"""Plumbing shared by cleanba_ppo.py and cleanba_impala.py: what a run needs around its algorithm, and nothing that
+changes what it learns or how data moves between actors and learner.
+
+- refusing bad flags before anything starts (the scripts add their own algorithm's checks);
+- run names, checksums of params, the stall watchdog;
+- where an actor's rollout time goes (Stopwatch) and what the learner logs (IterationLogger, README "Metrics").
+
+A fork changes the algorithm in its own file and rarely needs to read this one.
+"""
+import faulthandler
+import hashlib
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tensorboardX import SummaryWriter
+
+
+def fail(message: str):
+    """Refuse bad input before any env, thread or device work: exit status 2, no traceback."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def in_range(value: float, interval: str) -> bool:
+    """Whether value lies in an interval written "[low, high)": "[" and "]" include the bound, "(" and ")" not."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = value >= low if interval[0] == "[" else value > low
+    below = value <= high if interval[-1] == "]" else value < high
+    return above and below
+
+
+def check_flags(args, flag_ranges: dict):
+    """The checks both scripts share: every numeric flag in its range (NaN is in none), device ids, and the flags
+    that only act together with another."""
+    for name, interval in flag_ranges.items():
+        if not in_range(getattr(args, name), interval):
+            fail(f"--{name.replace('_', '-')}={getattr(args, name)} is outside its meaningful range {interval}; "
+                 f"give a value in {interval}")
+    if (args.capture_video or args.upload_model) and not (args.save_model and args.eval_episodes):
+        fail("--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
+             "(and keep --eval-episodes above 0)")
+    if args.upload_model:  # a missing Hub token must not surface only at the end of a long run
+        from cleanba.evaluate import check_hub_login
+
+        check_hub_login()
+    if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
+        fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
+    if not args.channels or min(args.channels) <= 0:
+        fail(f"--channels {' '.join(map(str, args.channels))}: give one or more positive channel counts")
+    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
+        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+            fail(f"{flag} {' '.join(map(str, ids))}: give one or more distinct, non-negative local device ids")
+    explicit = {"--coordinator-address": args.coordinator_address, "--num-processes": args.num_processes,
+                "--process-id": args.process_id}
+    given = [flag for flag, value in explicit.items() if value is not None]
+    if given and not args.distributed:
+        fail(f"{' '.join(given)} only apply to multi-process runs; add --distributed")
+    if (args.num_processes is None) != (args.process_id is None):
+        fail("give --num-processes and --process-id together (or neither, under SLURM)")
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
+             f"{args.num_processes}")
+    import envpool
+
+    if args.env_id not in envpool.list_all_envs():
+        fail(f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, "
+             "CartPole-v1)")
+
+
+def check_devices(args, num_local_devices: int):
+    for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
+        if max(ids) >= num_local_devices:
+            fail(f"{flag} {' '.join(map(str, ids))}: this process has {num_local_devices} local device(s), "
+                 f"ids 0..{num_local_devices - 1}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N")
+
+
+def default_run_name(args) -> str:
+    """Deterministic under SLURM, so that a requeued job finds its checkpoint; the start time otherwise."""
+    name = f"{args.env_id}__{args.exp_name}__{args.seed}"
+    if "SLURM_ARRAY_JOB_ID" in os.environ:
+        return f"{name}__{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if "SLURM_JOB_ID" in os.environ:
+        return f"{name}__{os.environ['SLURM_JOB_ID']}"
+    return f"{name}__{int(time.time())}"
+
+
+def first_replica(tree):
+    """The learner's replicated arrays as arrays on one local device, for the actors and for saving."""
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+def digest(tree) -> str:
+    """A short sha256 of a pytree's values, printed so that replicas and resumed states can be compared."""
+    leaves = jax.device_get(jax.tree.leaves(tree))
+    return hashlib.sha256(b"".join(np.ascontiguousarray(leaf).tobytes() for leaf in leaves)).hexdigest()[:16]
+
+
+@jax.jit
+def params_checksum(params):
+    """A 24-bit checksum of the params' bits, exact as a logged float (stats/params_checksum): runs that learn the
+    same params log the same value. Integer sums do not depend on the order of their additions."""
+    words = jnp.concatenate([jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).ravel()
+                             for x in jax.tree.leaves(params)])
+    total = jnp.sum(words * (2 * jnp.arange(words.size, dtype=jnp.uint32) + 1))  # weighted: positions count
+    return (total ^ (total >> 24)) & 0xFFFFFF
+
+
+def watch_progress(last_progress: list, timeout: float, stop):
+    """JAX does not detect a peer that is alive but stuck (e.g. in a collective): abort instead of hanging."""
+    while not stop.wait(1.0):
+        if time.time() - last_progress[0] > timeout:
+            print(f"error: no iteration completed in {timeout} s (--stall-timeout); a process or device is stuck. "
+                  "Stacks:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(1)  # the main thread is blocked: no orderly shutdown is possible
+
+
+class Stopwatch:
+    """Sums of perf_counter intervals by name: where an actor's rollout time goes (stats/actor_*_time)."""
+
+    def __init__(self):
+        self.sums, self.last = {}, time.perf_counter()
+
+    def lap(self, name: str):
+        now = time.perf_counter()
+        self.sums[name] = self.sums.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def format_duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+class IterationLogger:
+    """The writer's TensorBoard (and, with --track, wandb) logs: stats/ every iteration; charts/, losses/ and the
+    console line every log_frequency iterations. On resume, what the stopped run logged after its checkpoint is
+    dropped (purge_step), so the curves continue from there."""
+
+    def __init__(self, args, run_name: str, run_dir: Path, purge_step=None):
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
+                       config=asdict(args), name=run_name, id=run_name, resume="allow", save_code=True)
+        self.args, self.writer = args, SummaryWriter(str(run_dir), purge_step=purge_step)
+        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
+                             "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+        self.recent_returns, self.recent_lengths = deque(maxlen=20), deque(maxlen=20)
+        self.window_start, self.window_steps = time.time(), 0
+
+    def log(self, iteration: int, infos: list, episodes: np.ndarray, rollout_queue_wait: float,
+            learner_update_time: float, state, metrics: dict):
+        """infos: the actors' RolloutInfo. episodes: (2, T, num_envs) returns and lengths of the games of all envs
+        that ended (NaN elsewhere)."""
+        args, writer = self.args, self.writer
+        ended = np.isfinite(episodes[0])  # in (step, global env id) order: the same on every layout
+        self.recent_returns.extend(episodes[0][ended])
+        self.recent_lengths.extend(episodes[1][ended])
+        global_step = iteration * args.batch_size
+        self.window_steps += args.batch_size
+        stats = {
+            "actor_policy_version": min(info.policy_version for info in infos),
+            "learner_policy_version": iteration - 1,  # the version this update trained
+            "rollout_queue_wait": rollout_queue_wait,
+            "param_queue_wait": float(np.mean([info.param_queue_wait for info in infos])),
+            "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in infos])),
+            "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
+            "learner_update_time": learner_update_time,
+            "params_checksum": int(params_checksum(first_replica(state.params))),
+        }
+        for name in infos[0].timings:  # where the actors' rollout time went, e.g. stats/actor_env_recv_time
+            stats[f"actor_{name}_time"] = float(np.mean([info.timings[name] for info in infos]))
+        for key, value in stats.items():
+            writer.add_scalar(f"stats/{key}", value, global_step)
+        if iteration % args.log_frequency and iteration != args.num_iterations:
+            return
+        for key, value in jax.device_get(first_replica(metrics)).items():
+            writer.add_scalar(f"losses/{key}", float(value), global_step)
+        sps = self.window_steps / (time.time() - self.window_start)
+        self.window_start, self.window_steps = time.time(), 0
+        # By name, wherever the optimizer chain keeps it (inject_hyperparams's value, not its schedule's state).
+        learning_rate = optax.tree_utils.tree_get(state.opt_state, "learning_rate",
+                                                  filtering=lambda _, value: isinstance(value, jax.Array))
+        learning_rate = jax.device_get(first_replica(learning_rate))
+        writer.add_scalar("charts/SPS", sps, global_step)
+        writer.add_scalar("charts/learning_rate", float(learning_rate), global_step)
+        recent = "n/a"
+        if self.recent_returns:
+            recent = f"{np.mean(self.recent_returns):.1f}"
+            writer.add_scalar("charts/episodic_return", np.mean(self.recent_returns), global_step)
+            writer.add_scalar("charts/episodic_length", np.mean(self.recent_lengths), global_step)
+        eta = (args.num_iterations - iteration) * args.batch_size / sps
+        print(f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
+              f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
+              f"lag {stats['learner_policy_version'] - stats['actor_policy_version']} | "
+              f"ETA {format_duration(eta)}", flush=True)
+
+    def close(self):
+        self.writer.close()
+        if self.args.track:
+            import wandb
+
+            wandb.finish()
