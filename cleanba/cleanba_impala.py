@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanba.plumbing import (IterationLogger, Stopwatch, check_devices, check_flags, default_run_name, digest,
-                              fail, first_replica, watch_progress)
+                              fail, first_replica, host, watch_progress)
 
 
 @dataclass
@@ -636,11 +636,6 @@ def make_process_gather(mesh: Mesh, local_learner_devices: list):
         return np.asarray(first_replica(replicate(stacked)))[::len(local_learner_devices)]
 
     return gather
-
-
-def host(tree):
-    """The learner's replicated arrays as numpy arrays, for checkpoints and saved models."""
-    return jax.device_get(first_replica(tree))
 
 
 def run_thread(target, stop: threading.Event, errors: list, *thread_args):

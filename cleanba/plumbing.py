@@ -97,6 +97,11 @@ def first_replica(tree):
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
+def host(tree):
+    """The learner's replicated arrays as numpy arrays, for checkpoints and saved models."""
+    return jax.device_get(first_replica(tree))
+
+
 def digest(tree) -> str:
     """A short sha256 of a pytree's values, printed so that replicas and resumed states can be compared."""
     leaves = jax.device_get(jax.tree.leaves(tree))
