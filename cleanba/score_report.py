@@ -170,7 +170,9 @@ def merge_event_files(files: list) -> dict:
     from its first step on; its hours continue from the last kept point, so time lost to the stop is not counted."""
     merged = {}
     for first_time, scalars in files:
-        starts = [frame.step.min() for frame in scalars.values() if len(frame)]
+        # eval/ curves are indexed by episode, not env step (cleanba/evaluate.py): they say nothing of where a
+        # resume starts, and the final evaluation of a resumed run would otherwise drop every earlier point.
+        starts = [frame.step.min() for tag, frame in scalars.items() if len(frame) and not tag.startswith("eval/")]
         if not starts:
             continue
         merged = {tag: frame[frame.step < min(starts)] for tag, frame in merged.items()}

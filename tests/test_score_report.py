@@ -118,13 +118,18 @@ def test_reference_table_has_the_57_games_of_benchmark_sh():
 def test_resumed_run_merges_event_files(tmp_path):
     params = hyperparameters("Breakout-v5", "ppo", 1)
     write_events(tmp_path, params, {TAG: [(step, -1.0) for step in STEPS[:6]]})  # stopped after step 6000
-    # resumed from the checkpoint at step 4000: steps 5000 and 6000 are logged again, and replace the old ones
-    write_events(tmp_path, params, {TAG: [(step, float(step)) for step in STEPS[4:]]}, purge_step=4001,
-                 suffix=".resumed")
-    curve = score_report.read_run(tmp_path).scalars[TAG]
+    # resumed from the checkpoint at step 4000: steps 5000 and 6000 are logged again, and replace the old ones;
+    # the run ends with --save-model's evaluation, whose x axis is the episode index (0, 1, 2)
+    evaluation = [(episode, 10.0 + episode) for episode in range(3)]
+    resumed = {TAG: [(step, float(step)) for step in STEPS[4:]], "eval/episodic_return": evaluation}
+    write_events(tmp_path, params, resumed, purge_step=4001, suffix=".resumed")
+    run = score_report.read_run(tmp_path)
+    curve = run.scalars[TAG]
     assert curve.step.tolist() == list(STEPS)
     assert curve.value.tolist() == [-1.0] * 4 + [float(step) for step in STEPS[4:]]
     assert np.all(np.diff(curve.hours) >= 0)
+    evaluated = run.scalars["eval/episodic_return"]
+    assert list(zip(evaluated.step, evaluated.value)) == evaluation
 
 
 def test_score_report(tmp_path):
