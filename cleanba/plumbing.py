@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
+import envpool
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,8 +69,6 @@ def check_flags(args, flag_ranges: dict):
     if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
         fail(f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
              f"{args.num_processes}")
-    import envpool
-
     if args.env_id not in envpool.list_all_envs():
         fail(f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, "
              "CartPole-v1)")
