@@ -29,7 +29,7 @@ the peak host memory of each is measured alone (ru_maxrss of the child, from os.
                 Before running it, XLA's own memory analysis of the compiled update and of one minibatch gradient
                 step (update_minibatch on the batch the update hands it): what the learner allocates on its
                 device besides params and rollouts. The update should need little more than one minibatch step,
-                and --gradient-accumulation-steps should lower both (on accelerators; on CPU loops are unrolled).
+                and --gradient-accumulation-steps should lower both.
     sync        the training script itself with --no-concurrency: actor and learner alternate.
     concurrent  the training script itself with --concurrency: they overlap, the actor one policy behind.
     reference   optional (--reference-command): any command, run in a shell in the current directory; its
@@ -379,40 +379,36 @@ def rollout_structs(module, args, model) -> tuple:
     return (module.Rollout(*structs),) * len(thread_slots(args))
 
 
-def compile_learner(module, args, model, rollouts: tuple, unroll: Optional[bool] = None):
+def compile_learner(module, args, model, rollouts: tuple):
     """The script's learner update compiled for rollouts (arrays or ShapeDtypeStructs), and XLA's own memory
     analysis of it and of one minibatch gradient step (update_minibatch on the batch shapes that the update hands
-    it, recorded while tracing). Nothing runs: the figures are what XLA plans to allocate on the learner device.
-    unroll=None compiles loops as training on this platform does (unrolled on CPU); False as on accelerators."""
+    it, recorded while tracing). Nothing runs: the figures are what XLA plans to allocate on the learner device."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     recorded, original = [], module.update_minibatch
 
-    def recording(agent, args, unroll, state, batch):
+    def recording(agent, args, state, batch):
         recorded.append(jax.tree.map(lambda x: (x.shape, x.dtype), batch))
-        return original(agent, args, unroll, state, batch)
+        return original(agent, args, state, batch)
 
-    update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts),
-                                        unroll=unroll)
+    update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts))
     module.update_minibatch = recording
     try:
         compiled = update.lower(model["state"], rollouts).compile()
     finally:
         module.update_minibatch = original
-    if unroll is None:  # as make_learner_update decides it
-        unroll = model["mesh"].devices.flat[0].platform == "cpu"
     # update_minibatch's batch is per device, every field (groups, ...): the global batch has groups x devices.
     sharding = jax.sharding.NamedSharding(model["mesh"], P("learner"))
     batch = jax.tree.map(lambda sd: jax.ShapeDtypeStruct((sd[0][0] * model["mesh"].size, *sd[0][1:]), sd[1],
                                                          sharding=sharding),
                          recorded[0], is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
-    step = jax.jit(jax.shard_map(partial(original, model["agent"], args, unroll), mesh=model["mesh"],
+    step = jax.jit(jax.shard_map(partial(original, model["agent"], args), mesh=model["mesh"],
                                  in_specs=(P(), P("learner")), out_specs=(P(), P()), check_vma=False))
     step_analysis = step.lower(model["state"], batch).compile().memory_analysis()
     analysis = compiled.memory_analysis()
     mib = 1 / 2**20
-    memory = dict(unrolled=bool(unroll), update_temp_mib=analysis.temp_size_in_bytes * mib,
+    memory = dict(update_temp_mib=analysis.temp_size_in_bytes * mib,
                   update_argument_mib=analysis.argument_size_in_bytes * mib,
                   update_output_mib=analysis.output_size_in_bytes * mib,
                   minibatch_step_temp_mib=step_analysis.temp_size_in_bytes * mib)
@@ -420,10 +416,10 @@ def compile_learner(module, args, model, rollouts: tuple, unroll: Optional[bool]
     return compiled, memory
 
 
-def learner_memory(module, args, unroll: Optional[bool] = None) -> dict:
+def learner_memory(module, args) -> dict:
     """compile_learner's memory figures from shapes only, for args already checked and sized."""
     model = build_model(module, args)
-    return compile_learner(module, args, model, rollout_structs(module, args, model), unroll)[1]
+    return compile_learner(module, args, model, rollout_structs(module, args, model))[1]
 
 
 def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
@@ -704,7 +700,7 @@ def table(phases: dict, ratios: dict) -> str:
                      + f" (rollout {phases['actor']['rollout_time_s']:.3f})")
     if "learner" in phases:
         memory = phases["learner"]["learner_memory"]
-        lines.append(f"learner device memory (XLA's analysis, {'unrolled' if memory['unrolled'] else 'rolled'} loops): "
+        lines.append("learner device memory (XLA's analysis): "
                      f"update temp {memory['update_temp_mib']:,.0f} MiB, one minibatch step temp "
                      f"{memory['minibatch_step_temp_mib']:,.0f} MiB (x{memory['update_over_minibatch_step']:.2f}), "
                      f"update arguments {memory['update_argument_mib']:,.0f} MiB")

@@ -213,13 +213,23 @@ def make_env(args: Args, num_envs: int, seed: int):
                         **env_kwargs(args))
 
 
+def conv_and_pool(channels: int):
+    """The ResNet's 3x3 convolution and its 3x3, stride-2 max pool. On XLA:CPU those of cleanba/xla_cpu.py: the same
+    values and gradients, and fast inside the learner's loops (README "Performance"); elsewhere flax's."""
+    if jax.default_backend() != "cpu":
+        return nn.Conv(channels, (3, 3)), partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+    from cleanba import xla_cpu
+
+    return nn.Conv(channels, (3, 3), conv_general_dilated=xla_cpu.conv_general_dilated), xla_cpu.max_pool
+
+
 class ResidualBlock(nn.Module):
     channels: int
 
     @nn.compact
     def __call__(self, x):
-        y = nn.Conv(self.channels, (3, 3))(nn.relu(x))
-        y = nn.Conv(self.channels, (3, 3))(nn.relu(y))
+        y = conv_and_pool(self.channels)[0](nn.relu(x))
+        y = conv_and_pool(self.channels)[0](nn.relu(y))
         return x + y
 
 
@@ -228,13 +238,8 @@ class ConvSequence(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = nn.Conv(self.channels, (3, 3))(x)
-        if jax.default_backend() == "cpu":  # same values and gradients, faster on XLA:CPU (README "Performance")
-            from cleanba.xla_cpu import max_pool
-
-            x = max_pool(x)
-        else:
-            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        conv, max_pool = conv_and_pool(self.channels)
+        x = max_pool(conv(x))
         return ResidualBlock(self.channels)(ResidualBlock(self.channels)(x))
 
 
@@ -440,24 +445,11 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
         envs.close()
 
 
-def scan(f, carry, xs, unroll: bool):
-    """jax.lax.scan, or with unroll a Python loop over xs's rows. XLA:CPU runs convolutions inside a loop ~40x slower
-    (jax issue 12868: 153 s against 3.7 s for an IMPALA update of 32 envs), and lax.scan(unroll=True) of length 1
-    is still a loop. Rolled (off CPU), memory is reused from one row to the next."""
-    if not unroll:
-        return jax.lax.scan(f, carry, xs)
-    ys = []
-    for i in range(jax.tree.leaves(xs)[0].shape[0]):
-        carry, y = f(carry, jax.tree.map(lambda x: x[i], xs))
-        ys.append(y)
-    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
-
-
-def scan_map(fn, xs, unroll: bool):
+def scan_map(fn, xs):
     """fn of each row of xs on its own: optimization barriers keep XLA from fusing or merging work across rows, so a
     row's result does not depend on how many rows there are (the groups of a learner device, issue 16)."""
     barrier = jax.lax.optimization_barrier
-    return scan(lambda carry, x: (carry, barrier(fn(barrier(x)))), None, xs, unroll)[1]
+    return jax.lax.map(lambda x: barrier(fn(barrier(x))), xs)
 
 
 def group_width(args: Args, envs: int) -> int:
@@ -527,21 +519,21 @@ def ppo_loss(agent: Agent, args: Args, params, batch: dict, count):
     return metrics["loss"], metrics
 
 
-def summed_gradients(grad_fn, params, micro_batches: dict, count, unroll: bool):
+def summed_gradients(grad_fn, params, micro_batches: dict, count):
     """The sum of grad_fn's (gradients, metrics) over micro-batches stacked on axis 0: the group's. A scan, so that
-    (rolled, off CPU) one micro-batch's activations are alive at a time: what makes accumulation save memory."""
+    one micro-batch's activations are alive at a time: what makes accumulation save memory."""
     first = jax.tree.map(lambda x: x[0], micro_batches)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, count))
     accumulate = lambda sums, micro_batch: (jax.tree.map(jnp.add, sums, grad_fn(params, micro_batch, count)), None)
-    return scan(accumulate, zeros, micro_batches, unroll)[0]
+    return jax.lax.scan(accumulate, zeros, micro_batches)[0]
 
 
-def update_minibatch(agent: Agent, args: Args, unroll: bool, state: TrainState, batch: dict):
+def update_minibatch(agent: Agent, args: Args, state: TrainState, batch: dict):
     """One gradient step on a global minibatch. batch: this device's groups, (groups, rows, width) per field, and
     their order keys. Every sum is taken per group, then over all groups (global_sum)."""
     batch = dict(batch)
     keys = batch.pop("keys")
-    total = lambda fn, *fields: global_sum(args.exact, scan_map(lambda group: fn(*group), fields, unroll), keys)
+    total = lambda fn, *fields: global_sum(args.exact, scan_map(lambda group: fn(*group), fields), keys)
     mask = batch["valid"].astype(jnp.float32)
     count = jnp.maximum(total(jnp.sum, mask), 1.0)
     if args.norm_adv:  # statistics of the global minibatch, whatever the layout
@@ -553,12 +545,12 @@ def update_minibatch(agent: Agent, args: Args, unroll: bool, state: TrainState, 
     grad_fn = jax.grad(partial(ppo_loss, agent, args), has_aux=True)
     # Micro-batches: a group's time rows cut in gradient_accumulation_steps parts.
     split = lambda x: x.reshape(args.gradient_accumulation_steps, -1, *x.shape[1:])
-    gradients = lambda group: summed_gradients(grad_fn, state.params, jax.tree.map(split, group), count, unroll)
+    gradients = lambda group: summed_gradients(grad_fn, state.params, jax.tree.map(split, group), count)
     grads, metrics = total(gradients, batch)
     return state.apply_gradients(grads=grads), metrics
 
 
-def rollout_values(agent: Agent, params, obs, chunk_steps: int, width: int, unroll: bool):
+def rollout_values(agent: Agent, params, obs, chunk_steps: int, width: int):
     """Values of (T + 1, n) observations, chunk_steps time steps of `width` envs at a time, then the last row. One
     forward pass over the whole rollout would hold all its activations at once (the first conv's alone: 7.5 GB at
     the default Atari sizes), so peak learner memory would follow the rollout instead of the micro-batch (issue 14);
@@ -566,19 +558,19 @@ def rollout_values(agent: Agent, params, obs, chunk_steps: int, width: int, unro
     def chunk_values(o):  # (rows, n, ...) -> (rows, n), one group of envs at a time
         groups = o.reshape(o.shape[0], -1, width, *o.shape[2:]).swapaxes(0, 1)
         values = scan_map(lambda g: agent.apply(params, g.reshape(-1, *g.shape[2:]))[1].reshape(g.shape[:2]),
-                          groups, unroll)
+                          groups)
         return values.swapaxes(0, 1).reshape(o.shape[:2])
 
-    values = scan_map(chunk_values, obs[:-1].reshape(-1, chunk_steps, *obs.shape[1:]), unroll)
+    values = scan_map(chunk_values, obs[:-1].reshape(-1, chunk_steps, *obs.shape[1:]))
     return jnp.concatenate([values.reshape(-1, obs.shape[1]), chunk_values(obs[-1:])])
 
 
-def ppo_update(agent: Agent, args: Args, shuffle_key, unroll: bool, state: TrainState, rollouts: tuple):
+def ppo_update(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
     """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
     ro = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0 if xs[0].ndim == 1 else 1), *rollouts)
     width = group_width(args, ro.env_ids.shape[0])
     chunk_steps = args.num_steps // (args.num_minibatches * args.gradient_accumulation_steps)  # a micro-batch
-    values = rollout_values(agent, state.params, ro.obs, chunk_steps, width, unroll)
+    values = rollout_values(agent, state.params, ro.obs, chunk_steps, width)
     advantages, returns = compute_gae(values, ro.rewards, ro.terminations, ro.truncations, args.gamma, args.gae_lambda)
     data = dict(obs=ro.obs[:-1], actions=ro.actions, logprobs=ro.logprobs, advantages=advantages,
                 returns=returns, valid=ro.valid)
@@ -592,9 +584,9 @@ def ppo_update(agent: Agent, args: Args, shuffle_key, unroll: bool, state: Train
 
     def step(state, rows):
         batch = jax.tree.map(lambda x: x[to_groups(rows), columns], data)
-        return update_minibatch(agent, args, unroll, state, dict(batch, keys=keys))
+        return update_minibatch(agent, args, state, dict(batch, keys=keys))
 
-    state, metrics = scan(step, state, indices, unroll)
+    state, metrics = jax.lax.scan(step, state, indices)
     return state, jax.tree.map(jnp.mean, metrics)
 
 
@@ -611,19 +603,16 @@ def make_optimizer(args: Args):
     )
 
 
-def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int,
-                        unroll: Optional[bool] = None):
+def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
     """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices.
-    Loops over minibatches are unrolled on CPU (default): XLA:CPU runs conv gradients inside a rolled scan
-    pathologically slowly (jax issue 12868). Elsewhere they stay rolled, so that memory is reused across them.
+    Loops (minibatches, groups, micro-batches) are rolled on every platform, so that memory is reused from one step
+    to the next: the learner needs about one micro-batch step's memory (README "Memory").
     Forking: `args` is read once, when the update is traced; a value that changes during training must be an input
     (the learning rate is one: optax.inject_hyperparams keeps it in state.opt_state), not a field changed on args."""
-    if unroll is None:
-        unroll = mesh.devices.flat[0].platform == "cpu"
     # Every field is time-major with envs on axis 1, but env_ids (envs only): a field added to Rollout needs nothing.
     rollout_spec = Rollout(*[P("learner") if name == "env_ids" else P(None, "learner") for name in Rollout._fields])
     return jax.jit(jax.shard_map(
-        partial(ppo_update, agent, args, shuffle_key, unroll), mesh=mesh,
+        partial(ppo_update, agent, args, shuffle_key), mesh=mesh,
         in_specs=(P(), (rollout_spec,) * num_slots), out_specs=(P(), P()),
         # Without replication typing, gradients stay per-device until the explicit psum in update_minibatch
         # (and rlax's scans, whose carries are unannotated, trace as they are).

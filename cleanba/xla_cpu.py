@@ -1,14 +1,71 @@
-"""A max pool for XLA:CPU: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") with the same values and bitwise
-the same gradients, without XLA:CPU's slow select_and_scatter.
+"""The IMPALA ResNet's convolution and max pool for XLA:CPU, with the same values and gradients as flax's, and fast
+inside loops.
 
-The training scripts' IMPALA ResNet imports it only when JAX runs on the CPU; on accelerators they use nn.max_pool.
-XLA:CPU's max-pool gradient was 30% of the default network's gradient time; this one costs at most a third of that
-(README "Performance"). tests/test_network.py checks it against flax, ties included.
+The training scripts' IMPALA ResNet uses them only when JAX runs on the CPU; on accelerators it uses nn.Conv and
+nn.max_pool as they are. tests/test_network.py checks both against flax.
+
+- conv_general_dilated: XLA:CPU hands a convolution to Eigen's fast kernels only in the layout Eigen wants (batch
+  first, features last, an HWIO kernel), and it transposes other convolutions into that layout only in the entry
+  computation, not inside a loop's body (jax issue 12868). The gradients of a convolution never come in that
+  layout, so a gradient step inside lax.scan fell back to a naive kernel, 25-40x slower, and the scripts had to
+  unroll their minibatch loops on the CPU, where XLA:CPU then kept the buffers of every unrolled step alive at
+  once (openxla/xla issue 35719: 23.5 GB for the default PPO update). Here the two gradients are convolutions
+  written in that layout from the start, so loops stay rolled on every platform and memory follows the minibatch.
+- max_pool: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") without XLA:CPU's slow select_and_scatter, whose
+  gradient was 30% of the default network's gradient time; this one costs at most a third of that.
 """
-from functools import reduce
+from functools import partial, reduce
 
 import jax
 import jax.numpy as jnp
+
+EIGEN_LAYOUT = ("NHWC", "HWIO", "NHWC")
+
+
+def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                         dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
+    """jax.lax.conv_general_dilated, with the gradients below for what the IMPALA ResNet uses (stride 1, no
+    dilation, no feature groups, NHWC inputs and HWIO kernels, as nn.Conv passes them); anything else unchanged."""
+    plain = (tuple(window_strides) == (1, 1) and all(d in (None, 1, (1, 1)) for d in (lhs_dilation, rhs_dilation))
+             and feature_group_count == 1 and not kwargs and lhs.ndim == 4
+             and jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+             == jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, EIGEN_LAYOUT))
+    if not plain:
+        return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                            dimension_numbers, feature_group_count, precision=precision, **kwargs)
+    if isinstance(padding, str):
+        padding = jax.lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], (1, 1), padding)
+    return eigen_conv(lhs, rhs, tuple(tuple(int(p) for p in pair) for pair in padding), precision)
+
+
+def conv(x, kernel, padding, precision):
+    return jax.lax.conv_general_dilated(x, kernel, (1, 1), padding, dimension_numbers=EIGEN_LAYOUT,
+                                        precision=precision)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def eigen_conv(x, kernel, padding, precision):
+    """A stride-1 NHWC x HWIO convolution whose gradients are stride-1 NHWC x HWIO convolutions too."""
+    return conv(x, kernel, padding, precision)
+
+
+def eigen_conv_forward(x, kernel, padding, precision):
+    return conv(x, kernel, padding, precision), (x, kernel)
+
+
+def eigen_conv_backward(padding, precision, residuals, dy):
+    # y[o] = sum_j x[o + j - lo] k[j] along each spatial axis (lo, hi: the padding, K: the kernel size), so
+    # dx[i] = sum_j dy[i + j - (K - 1 - lo)] k[K - 1 - j]: dy convolved with the flipped kernel, in and out features
+    # swapped, padded (K - 1 - lo, K - 1 - hi); and dk[j] = sum_o x[o + j - lo] dy[o]: x convolved with dy as the
+    # kernel, the input features as the batch and the batch as the features, padded (lo, hi).
+    x, kernel = residuals
+    flipped = jnp.flip(kernel, (0, 1)).transpose(0, 1, 3, 2)
+    dx = conv(dy, flipped, [(k - 1 - lo, k - 1 - hi) for k, (lo, hi) in zip(kernel.shape[:2], padding)], precision)
+    dk = conv(x.transpose(3, 1, 2, 0), dy.transpose(1, 2, 0, 3), padding, precision)  # (in, K, K, out)
+    return dx, dk.transpose(1, 2, 0, 3)
+
+
+eigen_conv.defvjp(eigen_conv_forward, eigen_conv_backward)
 
 
 def pool_windows(x):

@@ -48,8 +48,8 @@ def check_phase(name: str, figures: dict, batch_size: int, repeats: int, cores_a
         assert figures["device_peak_mib"] is None  # CPU devices report no memory statistics
     if name == "learner":
         assert figures["sps"] == pytest.approx(batch_size / figures["update_time_s"])
-        memory = figures["learner_memory"]  # XLA's analysis of the update it ran (unrolled on CPU)
-        assert memory["unrolled"] and memory["update_temp_mib"] >= memory["minibatch_step_temp_mib"] > 0, memory
+        memory = figures["learner_memory"]  # XLA's analysis of the update it ran
+        assert memory["update_temp_mib"] >= memory["minibatch_step_temp_mib"] > 0, memory
     if name == "actor":  # the script's own stats/actor_*_time, per rollout: they add up to at most the rollout time
         timings = figures["actor_timings_s"]
         assert set(timings) == {"inference", "device_to_host", "env_send", "env_recv", "storage", "host_to_device"}
