@@ -86,7 +86,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
@@ -100,7 +100,7 @@ SCRIPTS = {"ppo": Path(__file__).with_name("cleanba_ppo.py"), "impala": Path(__f
 SCRIPT_FUNCTIONS = ("Args", "check_args", "check_devices", "fill_runtime_sizes", "make_env", "env_kwargs", "Agent",
                     "make_policy", "rollout_actor", "put_on_learners", "make_learner_update", "make_optimizer",
                     "Rollout", "first_replica", "queue_get", "queue_put", "run_thread", "StopTraining",
-                    "learner_shards", "update_minibatch")
+                    "learner_shards", "update_minibatch", "rollout_fields", "learner_rollout_shapes")
 SPS_PATTERN = re.compile(r"SPS[^0-9]*([0-9][0-9,]*\.?[0-9]*)")
 CHILD_FLAG = "--phase-child"  # internal: `--phase-child PHASE RESULT_FILE` runs one phase in this process
 
@@ -364,19 +364,10 @@ def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Gene
 def rollout_structs(module, args, model) -> tuple:
     """One iteration's rollouts as the learner receives them (padded and sharded over the learner devices), as
     shapes and dtypes only: for compiling at sizes that would not fit in this machine's memory or time."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    T, rng = 1, np.random.default_rng(0)  # one step suffices for the dtypes; shapes are set below
-    example = synthetic_rollout(module, replace(args, num_steps=T), model["spec"], 0, rng)
-    shards = module.learner_shards(args, example.env_ids, len(model["learner_devices"]))
-    width = (shards[0][0].stop - shards[0][0].start + len(shards[0][1])) * model["mesh"].size
-    structs = []
-    for name, x in zip(module.Rollout._fields, example):
-        shape = (width,) if x.ndim == 1 else (args.num_steps + x.shape[0] - T, width, *x.shape[2:])
-        spec = P("learner") if x.ndim == 1 else P(None, "learner")
-        structs.append(jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(model["mesh"], spec)))
-    return (module.Rollout(*structs),) * len(thread_slots(args))
+    space = model["spec"].observation_space
+    fields = module.rollout_fields(args, space.shape, space.dtype)
+    shapes = module.learner_rollout_shapes(args, fields, model["mesh"], len(model["learner_devices"]))
+    return (shapes,) * len(thread_slots(args))
 
 
 def compile_learner(module, args, model, rollouts: tuple):

@@ -17,7 +17,7 @@ RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", 
                      "local_num_envs", "num_actor_threads", "actor_device_ids", "learner_device_ids", "distributed",
                      "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "run_name",
                      "checkpoint_frequency", "resume", "world_size", "local_rank", "local_batch_size",
-                     "local_minibatch_size"}
+                     "local_minibatch_size", "memory_check"}
 
 
 def write_atomically(path: Path, payload: dict):

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from importlib.metadata import version
 from pathlib import Path
@@ -42,8 +42,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba.plumbing import (IterationLogger, Stopwatch, check_devices, check_flags, default_run_name, digest,
-                              fail, first_replica, host, watch_progress)
+from cleanba.plumbing import (IterationLogger, Stopwatch, check_devices, check_flags, check_memory, default_run_name,
+                              digest, fail, first_replica, host, learner_memory_needs, watch_progress)
 
 
 @dataclass
@@ -141,6 +141,8 @@ class Args:
     """sum over fixed groups of envs in a fixed order: the same params, bit for bit, on every learner layout"""
     group_envs: int = 8
     """with --exact: the envs of one actor thread per group (each group's gradient is computed on its own)"""
+    memory_check: bool = True
+    """refuse, before training, a learner update that needs more memory than its devices (or the host) have left"""
 
     # Sizes filled in at run time (paper, appendix A); not command-line flags.
     world_size: tyro.conf.Suppress[int] = 0
@@ -351,6 +353,27 @@ def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
     return shards
 
 
+def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
+    """(shape, dtype) of each field of one actor thread's rollout."""
+    T, n = args.num_steps, args.local_num_envs
+    return Rollout(obs=((T + 1, n, *obs_shape), obs_dtype), actions=((T, n), np.int32), logprobs=((T, n), np.float32),
+                   rewards=((T, n), np.float32), terminations=((T, n), bool), truncations=((T, n), bool),
+                   valid=((T, n), bool), env_ids=((n,), np.int32))
+
+
+def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh, num_local_learner_devices: int) -> Rollout:
+    """One actor thread's rollout as put_on_learners hands it to the learner (padded, sharded): shapes only."""
+    envs = learner_shards(args, np.arange(args.local_num_envs), num_local_learner_devices)[0][0]
+    width = (envs.stop - envs.start) * mesh.size  # every learner device of every process holds the same width
+
+    def shape(name: str, shape: tuple, dtype):
+        spec = P("learner") if name == "env_ids" else P(None, "learner")
+        global_shape = (width,) if name == "env_ids" else (shape[0], width, *shape[2:])
+        return jax.ShapeDtypeStruct(global_shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    return Rollout(*[shape(name, *field) for name, field in zip(Rollout._fields, fields)])
+
+
 def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
     """Split along envs (padded where they do not split evenly), one transfer per leaf and learner device, and
     assemble the global sharded arrays."""
@@ -401,11 +424,8 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
                 params = jax.device_put(params, device)
             param_queue_wait = time.time() - start
             clock = Stopwatch()
-            storage = Rollout(
-                obs=np.empty((T + 1, n, *next_obs.shape[1:]), next_obs.dtype),
-                actions=np.empty((T, n), np.int32), logprobs=np.empty((T, n), np.float32),
-                rewards=np.empty((T, n), np.float32), terminations=np.empty((T, n), bool),
-                truncations=np.empty((T, n), bool), valid=np.empty((T, n), bool), env_ids=env_ids)
+            storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in
+                                rollout_fields(args, next_obs.shape[1:], next_obs.dtype)])._replace(env_ids=env_ids)
             finished_returns, finished_lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)
             for t in range(T):
                 storage.obs[t] = next_obs
@@ -619,6 +639,27 @@ def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_s
         check_vma=False))
 
 
+def compile_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple):
+    """make_learner_update compiled ahead of time from shapes: the first iteration waits for no compile, and what the
+    update needs in memory is known before any env steps (check_learner_memory)."""
+    return make_learner_update(agent, args, shuffle_key, mesh, len(rollouts)).lower(state, rollouts).compile()
+
+
+def check_learner_memory(args: Args, agent: Agent, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple,
+                         learner_update, local_learner_devices: list, fields: Rollout):
+    """Refuse a learner that cannot fit in memory, before training (cleanba/plumbing.py check_memory)."""
+    queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh.size
+    host_storage = len(rollouts) * sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields)
+
+    def accumulation_needs(steps: int) -> dict:
+        other = replace(args, gradient_accumulation_steps=steps)
+        analysis = compile_learner_update(agent, other, shuffle_key, mesh, state, rollouts).memory_analysis()
+        return learner_memory_needs(analysis, queued)
+
+    check_memory(learner_memory_needs(learner_update.memory_analysis(), queued), local_learner_devices, host_storage,
+                 accumulation_needs, args.gradient_accumulation_steps)
+
+
 def make_network(args: Args, num_actions: int) -> Agent:
     """The network from the flags, for training and for evaluating a saved model (cleanba/evaluate.py): change
     this function with Agent's signature. Agent maps observations to (logits (batch, actions), values (batch,))."""
@@ -721,6 +762,15 @@ def main(args: Args):
               f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
               f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}", flush=True)
 
+    num_slots = len(actor_devices) * args.num_actor_threads
+    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
+    fields = rollout_fields(args, spec.observation_space.shape, spec.observation_space.dtype)
+    rollouts = (learner_rollout_shapes(args, fields, mesh, len(local_learner_devices)),) * num_slots
+    learner_update = compile_learner_update(agent, args, shuffle_key, mesh, state, rollouts)
+    if args.memory_check:
+        check_learner_memory(args, agent, shuffle_key, mesh, state, rollouts, learner_update, local_learner_devices,
+                             fields)
+
     logger = None
     if is_writer:
         purge_step = (start_iteration - 1) * args.batch_size + 1 if resume else None  # drop logs after it
@@ -735,8 +785,6 @@ def main(args: Args):
             print(f"exact: sums over groups of {args.group_envs} envs in a fixed order; XLA_FLAGS: "
                   f"{os.environ['XLA_FLAGS']}", flush=True)
 
-    num_slots = len(actor_devices) * args.num_actor_threads
-    learner_update = make_learner_update(agent, args, shuffle_key, mesh, num_slots)
     policy = make_policy(agent, action_key)
     process_gather = make_process_gather(mesh, local_learner_devices)
 

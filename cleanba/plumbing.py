@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import envpool
 import jax
@@ -79,6 +80,102 @@ def check_devices(args, num_local_devices: int):
         if max(ids) >= num_local_devices:
             fail(f"{flag} {' '.join(map(str, ids))}: this process has {num_local_devices} local device(s), "
                  f"ids 0..{num_local_devices - 1}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N")
+
+
+GIB = 2**30
+
+
+def host_memory_available() -> tuple:
+    """(bytes, where from) this process may still allocate on the host: the kernel's MemAvailable, or less where a
+    cgroup of this process (a SLURM job's --mem, a container) has a lower limit left, cgroup v2 or v1."""
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    best = (int(fields["MemAvailable"].split()[0]) * 1024, "available host memory (MemAvailable)")
+    with open("/proc/self/cgroup") as cgroups:
+        lines = [line.rstrip("\n").split(":", 2) for line in cgroups]
+    for _, controllers, path in lines:
+        if controllers == "":  # v2: memory.max / memory.current, wherever the unified hierarchy is mounted
+            roots, limit_file, usage_file = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"], "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            roots, limit_file, usage_file = ["/sys/fs/cgroup/memory"], "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        for root in roots:
+            directory = Path(root + path)
+            while directory != Path(root).parent:  # a limit set on any ancestor applies too
+                try:
+                    limit = (directory / limit_file).read_text().strip()
+                    usage = int((directory / usage_file).read_text())
+                except (OSError, ValueError):
+                    limit = "max"
+                if limit != "max" and int(limit) < 2**60 and int(limit) - usage < best[0]:
+                    best = (int(limit) - usage, f"the memory limit of cgroup {directory} less its usage")
+                directory = directory.parent
+    return best
+
+
+def device_memory_available(device) -> Optional[tuple]:
+    """(bytes, where from) the device's allocator may use (an accelerator's limit at XLA_CLIENT_MEM_FRACTION), or
+    None where the device reports no memory (XLA:CPU, whose devices share the host's memory)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return stats["bytes_limit"], f"{device.device_kind} {device.id}'s allocator limit (memory fraction {fraction})"
+
+
+def learner_memory_needs(analysis, queued_rollout_bytes: int) -> dict:
+    """Bytes one learner device needs during an update, by part: XLA's analysis of the compiled update (its inputs,
+    i.e. the train state and this iteration's rollouts; its outputs; its temporaries) and the next rollouts, which
+    wait in the rollout queues meanwhile."""
+    return dict(temporaries=analysis.temp_size_in_bytes, arguments=analysis.argument_size_in_bytes,
+                outputs=analysis.output_size_in_bytes, queued_rollouts=queued_rollout_bytes)
+
+
+def size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def describe_memory(needs: dict) -> str:
+    return ", ".join(f"{name.replace('_', ' ')} {size(value)}" for name, value in needs.items())
+
+
+def memory_shortfall(needs: dict, learner_devices: list, host_bytes: int) -> tuple:
+    """(bytes needed, bytes available, where from, fits) of the place that is shortest: each accelerator on its own;
+    XLA:CPU's devices all on the host, with the actors' rollout storage (host_bytes)."""
+    places = []
+    for device in learner_devices:
+        limit = device_memory_available(device)
+        if limit is not None:
+            places.append((sum(needs.values()), *limit))
+    if not places:
+        places.append((sum(needs.values()) * len(learner_devices) + host_bytes, *host_memory_available()))
+    needed, available, source = max(places, key=lambda place: place[0] - place[1])
+    return needed, available, source, needed <= available
+
+
+def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulation_needs, current_accumulation: int):
+    """Refuse, before any env steps, a learner that cannot fit (exit status 2, one message, the flags that help).
+    needs: learner_memory_needs of one learner device. accumulation_needs(n): the same with
+    --gradient-accumulation-steps n (XLA compiles it), tried for the message only."""
+    needed, available, source, fits = memory_shortfall(needs, learner_devices, host_bytes)
+    print(f"learner memory per device (XLA's analysis of the compiled update): {describe_memory(needs)}; "
+          f"needs {size(needed)} of {size(available)} ({source})", flush=True)
+    if fits:
+        return
+    fixes = []
+    steps = current_accumulation * 2
+    while steps <= 64 * current_accumulation and not fixes:
+        try:
+            other = accumulation_needs(steps)
+        except (ValueError, TypeError):  # micro-batches that do not split this rollout evenly
+            other = None
+        if other is not None and memory_shortfall(other, learner_devices, host_bytes)[3]:
+            fixes.append(f"--gradient-accumulation-steps {steps} (temporaries {size(other['temporaries'])})")
+        steps *= 2
+    fixes.append("fewer envs per learner device (a smaller --local-num-envs or more --learner-device-ids)")
+    fail(f"the learner needs {size(needed)} but {size(available)} is left ({source}); per learner device: "
+         f"{describe_memory(needs)}. Lower it with {' or '.join(fixes)}; or skip this check with --no-memory-check")
 
 
 def default_run_name(args) -> str:

@@ -1,11 +1,17 @@
 """Learner memory at the default Atari sizes, from XLA's own analysis of the update as this machine's XLA:CPU compiles
 it for training (shapes only, nothing runs): it must follow the minibatch, not the rollout."""
+import contextlib
 import importlib
+import os
+import re
+import uuid
+from pathlib import Path
 
 import pytest
 import tyro
 
 from cleanba import benchmark
+from conftest import check_ok, script_command, script_env
 
 GIB = 2**30
 
@@ -35,3 +41,66 @@ def test_learner_memory_follows_the_minibatch(script):
     exact = default_memory(script, "--exact")
     print(script, "exact", exact)
     assert exact["update_temp_mib"] < 0.5 * whole["update_temp_mib"], (exact, whole)
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A fresh memory cgroup with this limit (cgroup v2 memory.max, else v1 memory.limit_in_bytes), as SLURM's --mem
+    or a container sets one; yields the command prefix that starts a program in it. Needs root; skipped without it
+    except under CI=true."""
+    name = f"cleanba-test-{uuid.uuid4().hex[:8]}"
+    candidates = [(Path("/sys/fs/cgroup"), "memory.max"), (Path("/sys/fs/cgroup/unified"), "memory.max"),
+                  (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes")]
+    for root, limit_file in candidates:
+        controllers = root / "cgroup.subtree_control"
+        if limit_file == "memory.max" and not (controllers.exists() and "memory" in controllers.read_text().split()):
+            continue
+        directory = root / name
+        try:
+            directory.mkdir()
+            (directory / limit_file).write_text(str(limit_bytes))
+        except OSError:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+            continue
+        try:
+            yield ["sh", "-c", f'echo $$ > {directory / "cgroup.procs"} && exec "$@"', "sh"]
+        finally:
+            directory.rmdir()
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail("no writable memory cgroup (v2 with the memory controller, or v1): run CI as root")
+    pytest.skip("needs a writable memory cgroup (root)")
+
+
+def run_limited(prefix: list, flags: list, tmp_path: Path):
+    import subprocess
+
+    return subprocess.run([*prefix, *script_command("ppo", flags)], cwd=tmp_path, env=script_env(1),
+                          capture_output=True, text=True, timeout=600)
+
+
+SMALL_ATARI = ["--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "32", "--total-timesteps", "256"]
+
+
+def test_a_learner_that_cannot_fit_is_refused_before_training(tmp_path):
+    """The default PPO update (XLA's analysis: about 11.9 GiB with its rollouts) in a job limited to 4 GiB: refused
+    with exit 2 before any env steps, with the figures and an accumulation that XLA says fits; a small Atari run
+    passes the same check and trains; --no-memory-check skips it."""
+    with memory_cgroup(4 * 2**30) as prefix:
+        refused = run_limited(prefix, ["--total-timesteps", "16384"], tmp_path)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr and "cgroup" in refused.stderr, refused.stderr
+        message = refused.stderr.strip().splitlines()[-1]
+        assert re.search(r"the learner needs 1\d\.\d\d GiB but \d\.\d\d GiB is left", message), message
+        steps = int(re.search(r"--gradient-accumulation-steps (\d+)", message).group(1))
+        assert steps in (8, 16) and "--no-memory-check" in message and "--local-num-envs" in message, message
+        assert not (tmp_path / "runs").exists() and "iterations of batch_size" not in refused.stdout
+
+        small = run_limited(prefix, SMALL_ATARI, tmp_path)
+        check_ok(small)
+        assert re.search(r"learner memory per device .*needs [\d.]+ MiB of \d\.\d\d GiB \(the memory limit of cgroup",
+                         small.stdout), small.stdout
+        skipped = run_limited(prefix, [*SMALL_ATARI, "--no-memory-check", "--run-name", "skipped"], tmp_path)
+        check_ok(skipped)
+        assert "learner memory" not in skipped.stdout and "final params sha256" in skipped.stdout
