@@ -92,6 +92,7 @@ def test_a_learner_that_cannot_fit_is_refused_before_training(tmp_path):
         assert refused.returncode == 2, refused.stderr[-3000:]
         assert "Traceback" not in refused.stderr and "cgroup" in refused.stderr, refused.stderr
         message = refused.stderr.strip().splitlines()[-1]
+        print(message)
         assert re.search(r"the learner needs 1\d\.\d\d GiB but \d\.\d\d GiB is left", message), message
         steps = int(re.search(r"--gradient-accumulation-steps (\d+)", message).group(1))
         assert steps in (8, 16) and "--no-memory-check" in message and "--local-num-envs" in message, message
@@ -99,7 +100,7 @@ def test_a_learner_that_cannot_fit_is_refused_before_training(tmp_path):
 
         small = run_limited(prefix, SMALL_ATARI, tmp_path)
         check_ok(small)
-        assert re.search(r"learner memory per device .*needs [\d.]+ MiB of \d\.\d\d GiB \(the memory limit of cgroup",
+        assert re.search(r"learner memory per device .*needs [\d.]+ [MG]iB of \d\.\d\d GiB \(the memory limit of cgroup",
                          small.stdout), small.stdout
         skipped = run_limited(prefix, [*SMALL_ATARI, "--no-memory-check", "--run-name", "skipped"], tmp_path)
         check_ok(skipped)
