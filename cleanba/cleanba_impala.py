@@ -217,10 +217,10 @@ def make_env(args: Args, num_envs: int, seed: int):
                         **env_kwargs(args))
 
 
-def conv_and_pool(channels: int):
+def conv_and_pool(channels: int, xla_cpu: bool):
     """The ResNet's 3x3 convolution and its 3x3, stride-2 max pool. On XLA:CPU those of cleanba/xla_cpu.py: the same
     values and gradients, and fast inside the learner's loops (README "Performance"); elsewhere flax's."""
-    if jax.default_backend() != "cpu":
+    if not xla_cpu:
         return nn.Conv(channels, (3, 3)), partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
     from cleanba import xla_cpu
 
@@ -229,22 +229,24 @@ def conv_and_pool(channels: int):
 
 class ResidualBlock(nn.Module):
     channels: int
+    xla_cpu: bool
 
     @nn.compact
     def __call__(self, x):
-        y = conv_and_pool(self.channels)[0](nn.relu(x))
-        y = conv_and_pool(self.channels)[0](nn.relu(y))
+        y = conv_and_pool(self.channels, self.xla_cpu)[0](nn.relu(x))
+        y = conv_and_pool(self.channels, self.xla_cpu)[0](nn.relu(y))
         return x + y
 
 
 class ConvSequence(nn.Module):
     channels: int
+    xla_cpu: bool
 
     @nn.compact
     def __call__(self, x):
-        conv, max_pool = conv_and_pool(self.channels)
+        conv, max_pool = conv_and_pool(self.channels, self.xla_cpu)
         x = max_pool(conv(x))
-        return ResidualBlock(self.channels)(ResidualBlock(self.channels)(x))
+        return ResidualBlock(self.channels, self.xla_cpu)(ResidualBlock(self.channels, self.xla_cpu)(x))
 
 
 class Agent(nn.Module):
@@ -254,13 +256,14 @@ class Agent(nn.Module):
     num_actions: int
     channels: tuple[int, ...]
     hidden_dim: int
+    xla_cpu: bool = False  # the network runs on XLA:CPU: conv_and_pool takes cleanba/xla_cpu.py's
 
     @nn.compact
     def __call__(self, obs):
         if obs.ndim == 4:  # EnvPool Atari: (batch, stack, height, width) uint8
             x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0
             for channels in self.channels:
-                x = ConvSequence(channels)(x)
+                x = ConvSequence(channels, self.xla_cpu)(x)
             x = nn.relu(x.reshape(x.shape[0], -1))
             policy_features = value_features = nn.relu(nn.Dense(self.hidden_dim)(x))
         else:
@@ -637,21 +640,26 @@ def check_learner_memory(args: Args, agent: Agent, shuffle_key, mesh: Mesh, stat
                  accumulation_needs, args.gradient_accumulation_steps)
 
 
-def make_network(args: Args, num_actions: int) -> Agent:
+def make_network(args: Args, num_actions: int, platform: Optional[str] = None) -> Agent:
     """The network from the flags, for training and for evaluating a saved model (cleanba/evaluate.py): change
-    this function with Agent's signature. Agent maps observations to (logits (batch, actions), values (batch,))."""
-    return Agent(num_actions, tuple(args.channels), args.hidden_dim)
+    this function with Agent's signature. Agent maps observations to (logits (batch, actions), values (batch,)).
+    platform: where it runs ("cpu", "gpu", ...; default: JAX's default backend)."""
+    return Agent(num_actions, tuple(args.channels), args.hidden_dim, (platform or jax.default_backend()) == "cpu")
 
 
 def make_agent(args: Args, mesh: Mesh):
     """The network, its initial train state replicated over the learner devices, and the action and shuffle keys."""
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
-    agent = make_network(args, spec.action_space.n)
+    agent = make_network(args, spec.action_space.n, mesh.devices.flat[0].platform)
     init_key, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
-    obs_example = np.zeros((1, *spec.observation_space.shape), spec.observation_space.dtype)
-    state = TrainState.create(apply_fn=None, params=agent.init(init_key, obs_example), tx=make_optimizer(args))
-    state = state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
+    state = initial_state(agent, args, spec.observation_space, init_key)
     return agent, jax.device_put(state, NamedSharding(mesh, P())), action_key, shuffle_key
+
+
+def initial_state(agent: Agent, args: Args, observation_space, init_key) -> TrainState:
+    obs_example = np.zeros((1, *observation_space.shape), observation_space.dtype)
+    state = TrainState.create(apply_fn=None, params=agent.init(init_key, obs_example), tx=make_optimizer(args))
+    return state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
 
 
 def make_process_gather(mesh: Mesh, local_learner_devices: list):

@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+# The suite runs on the CPU. With the gpu-compile group installed, JAX would otherwise try the CUDA plugin first and
+# print its "no CUDA" traceback in every process (this one, the scripts, SLURM's tasks, which inherit it).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"ppo": ROOT / "cleanba" / "cleanba_ppo.py", "impala": ROOT / "cleanba" / "cleanba_impala.py"}
 

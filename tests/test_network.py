@@ -33,7 +33,7 @@ def test_max_pool_matches_flax(shape, ties):
 
 def test_network_gradients_match_flax_pooling():
     """The whole ResNet's parameter gradients with either pool, on uint8 frames with flat (tied) regions."""
-    agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8, 8), hidden_dim=32)
+    agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8, 8), hidden_dim=32, xla_cpu=True)
     obs = np.zeros((4, 4, 42, 42), np.uint8)
     obs[:, :, 10:30, 5:35] = np.random.default_rng(0).integers(0, 255, (4, 4, 20, 30))
     params = agent.init(jax.random.key(0), obs[:1])
@@ -79,7 +79,7 @@ def test_conv_matches_lax(shape, padding):
 
 def loop_convolutions(conv) -> list:
     """The dim_labels of every convolution in the CPU program of the ResNet's gradient inside a rolled lax.scan."""
-    agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8), hidden_dim=16)
+    agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8), hidden_dim=16, xla_cpu=True)
     obs = np.random.default_rng(0).integers(0, 255, (3, 2, 4, 42, 42)).astype(np.uint8)  # 3 steps of 2 frames
     params = agent.init(jax.random.key(0), obs[0, :1])
     grad = jax.grad(lambda p, o: jnp.sum(agent.apply(p, o)[0]))

@@ -1,0 +1,85 @@
+"""The GPU programs of both scripts, compiled for real NVIDIA targets without a GPU (python -m cleanba.gpu_compile):
+the default Breakout sizes on the headline layouts compile to GPU code and fit at the scripts' memory fraction.
+
+Needs the CUDA plugin and ptxas from PyPI (`poetry install --with gpu-compile`, as the README's test command does);
+skipped without them, except under CI=true, where that fails."""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, check_ok
+
+if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("the gpu-compile dependency group is not installed: poetry install --with gpu-compile")
+    pytest.skip("needs `poetry install --with gpu-compile`", allow_module_level=True)
+
+LAYOUTS = {
+    "a0-l0": ["--actor-device-ids", "0", "--learner-device-ids", "0"],
+    "a0-l1,2,3": ["--actor-device-ids", "0", "--learner-device-ids", "1", "2", "3"],
+}
+GIB = 2**30
+
+
+def gpu_compile(target: str, script: str, flags: list, processes: int = 1) -> tuple:
+    """(the finished process, {GPU id: (roles, total GiB, fits)}, the learner's per-device line)."""
+    process = subprocess.run([sys.executable, "-m", "cleanba.gpu_compile", "--target", target, "--script", script,
+                              "--processes", str(processes), "--", *flags], cwd=ROOT, capture_output=True, text=True,
+                             timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    rows = {int(m[0]): (m[1], float(m[2]), m[3] == "yes") for m in
+            re.findall(r"^\s*(\d+)\s+(\S+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s+(yes|NO)$", process.stdout, re.M)}
+    return process, rows
+
+
+def temporaries(stdout: str) -> float:
+    return float(re.search(r"learner per device: temporaries ([\d.]+) GiB", stdout).group(1))
+
+
+@pytest.mark.parametrize("script", ["ppo", "impala"])
+def test_default_sizes_compile_for_a100_on_every_headline_layout(script):
+    """A100 40GB, the paper's GPU: a0-l0 (actor and learner share the GPU: both count), a0-l1,2,3 and -d2 (two
+    hosts of four GPUs, the learner's all-reduce across them)."""
+    for name, flags, processes in [("a0-l0", LAYOUTS["a0-l0"], 1), ("a0-l1,2,3", LAYOUTS["a0-l1,2,3"], 1),
+                                   ("a0-l1,2,3-d2", LAYOUTS["a0-l1,2,3"], 2)]:
+        process, rows = gpu_compile("a100-40gb", script, flags, processes)
+        check_ok(process)
+        print(name, process.stdout)
+        assert "compute capability 8.0" in process.stdout, process.stdout  # sm_80 code, through the lock's ptxas
+        assert re.search(r"[1-9]\d* cuDNN convolution calls", process.stdout), process.stdout
+        if name == "a0-l0":
+            assert rows == {0: ("actor+learner", rows[0][1], True)}, rows
+        else:
+            assert set(rows) == {0, 1, 2, 3} and rows[0][0] == "actor", rows
+            assert all(rows[i][0] == "learner" and rows[i][2] for i in (1, 2, 3)), rows
+            assert re.search(r"[1-9]\d* all-reduces", process.stdout), process.stdout
+        assert re.search(r"compute bound .*: [\d,]+ env steps/s", process.stdout), process.stdout
+
+
+def test_h100_memory_levers():
+    """H100 on a0-l0: PPO fits, with 4 accumulation steps it needs clearly less, and --exact (deterministic GPU ops)
+    compiles and fits too."""
+    base, rows = gpu_compile("h100", "ppo", LAYOUTS["a0-l0"])
+    check_ok(base)
+    accumulated, accumulated_rows = gpu_compile("h100", "ppo", [*LAYOUTS["a0-l0"], "--gradient-accumulation-steps",
+                                                                "4"])
+    check_ok(accumulated)
+    exact, exact_rows = gpu_compile("h100", "ppo", [*LAYOUTS["a0-l0"], "--exact"])
+    check_ok(exact)
+    print(base.stdout, accumulated.stdout, exact.stdout)
+    assert "compute capability 9.0" in base.stdout
+    assert rows[0][2] and accumulated_rows[0][2] and exact_rows[0][2]
+    assert temporaries(accumulated.stdout) < 0.5 * temporaries(base.stdout)
+    assert "--xla_gpu_deterministic_ops=true" in exact.stdout
+
+
+def test_unknown_target_and_impossible_layout_are_refused():
+    process = subprocess.run([sys.executable, "-m", "cleanba.gpu_compile", "--target", "v100"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert process.returncode == 2 and "a100-40gb" in process.stderr and "h100" in process.stderr, process.stderr
+    process, _ = gpu_compile("h100", "ppo", ["--actor-device-ids", "0", "--learner-device-ids", "8"])
+    assert process.returncode == 2 and "at most 8" in process.stderr and "--processes" in process.stderr, process.stderr
+    assert "Traceback" not in process.stderr
