@@ -38,6 +38,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import tyro  # noqa: E402
 
+from cleanba.benchmark import load_script, resolve_script, split_argv  # noqa: E402
+from cleanba.plumbing import fail  # noqa: E402
+
 SPECS = Path(__file__).with_name("gpu_targets")
 # Dense TF32 tensor-core peaks (NVIDIA data sheets): XLA's default precision for float32 convolutions and matmuls
 # on these GPUs. The memory comes from the target's own spec (device_memory_size).
@@ -58,18 +61,6 @@ class CompileArgs:
     """ppo, impala, or the path of a training script with the same functions (a fork)"""
     processes: int = 1
     """processes (hosts) of the run: 2 for a -d2 layout"""
-
-
-def fail(message: str):
-    print(f"gpu_compile: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def split_argv(argv: list) -> tuple:
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
 
 
 def ptxas_dir() -> str:
@@ -179,7 +170,15 @@ def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_
     cpu_rollouts = jax.tree.map(lambda x: on_cpu(x, x.sharding.spec), rollouts)
     cpu_agent = module.make_network(args, agent.num_actions, platform="cpu")
     update = module.make_learner_update(cpu_agent, args, shuffle_key, cpu_mesh, len(rollouts))
-    return float(update.lower(cpu_state, cpu_rollouts).cost_analysis()["flops"])
+    # XLA's cost analysis counts a loop body once, whatever its trip count: the learner's loops (minibatches,
+    # groups, micro-batches, value chunks) are unrolled while this one copy is traced.
+    scan, loop_map = jax.lax.scan, jax.lax.map
+    jax.lax.scan = partial(scan, unroll=True)
+    jax.lax.map = lambda f, xs: scan(lambda carry, x: (carry, f(x)), None, xs, unroll=True)[1]
+    try:
+        return float(update.lower(cpu_state, cpu_rollouts).cost_analysis()["flops"])
+    finally:
+        jax.lax.scan, jax.lax.map = scan, loop_map
 
 
 def report(compile_args: CompileArgs, args, figures: dict, memory_bytes: int, peak_flops: float) -> bool:
@@ -220,8 +219,6 @@ def main(argv: list):
     compile_args = tyro.cli(CompileArgs, args=own)
     if compile_args.processes < 1:
         fail(f"--processes={compile_args.processes}: give 1 or more")
-    from cleanba.benchmark import load_script, resolve_script
-
     module = load_script(resolve_script(compile_args.script))
     args = tyro.cli(module.Args, args=flags, prog=f"{compile_args.script} flags")
     module.check_args(args)
