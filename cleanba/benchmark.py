@@ -263,15 +263,15 @@ def join_all(threads: list):
 def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
     starts = []  # barrier j releases when every thread has finished window j - 1
     barrier = threading.Barrier(len(thread_slots(args)), action=lambda: starts.append(time.time()))
-    stop, errors = threading.Event(), []
+    stop = module.Stop()
     threads = [threading.Thread(target=module.run_thread, daemon=True, name=f"env-{thread_index}",
-                                args=(random_actor, stop, errors, module, args, thread_index, bench, barrier))
+                                args=(random_actor, stop, module, args, thread_index, bench, barrier))
                for _, thread_index in thread_slots(args)]
     for thread in threads:
         thread.start()
     join_all(threads)
-    if errors:
-        raise first_error(errors)
+    if stop.errors:
+        raise first_error(stop.errors)
     windows = window_sps(starts, args.batch_size * bench.iterations)
     return dict(sps=median(windows), window_sps=windows, window_bounds=starts)
 
@@ -309,14 +309,14 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     slots = thread_slots(args)
     param_queues = [queue.Queue(maxsize=1) for _ in slots]
     rollout_queues = [queue.Queue(maxsize=1) for _ in slots]
-    stop, errors, threads = threading.Event(), [], []
+    stop, threads = module.Stop(), []
     for slot, (d, thread_index) in enumerate(slots):
         threads.append(threading.Thread(
             target=module.run_thread, daemon=True, name=f"actor-{thread_index}",
-            args=(module.rollout_actor, stop, errors, args, 1, thread_index, model["actor_devices"][d],
+            args=(module.rollout_actor, stop, args, 1, thread_index, model["actor_devices"][d],
                   model["mesh"], model["learner_devices"], policy, param_queues[slot], rollout_queues[slot])))
         threads.append(threading.Thread(target=module.run_thread, daemon=True, name=f"feeder-{thread_index}",
-                                        args=(feed_params, stop, errors, module, param_queues[slot], params)))
+                                        args=(feed_params, stop, module, param_queues[slot], params)))
     ends, rollout_times, timings = [], [], []
     try:
         for thread in threads:
@@ -332,8 +332,8 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     finally:
         stop.set()
         join_all(threads)
-    if errors:
-        raise errors[0]
+    if stop.errors:
+        raise stop.errors[0]
     bounds = window_boundaries(ends, bench)
     windows = window_sps(bounds, args.batch_size * bench.iterations)
     rollout_time = median(rollout_times[bench.warmup_iterations:])
@@ -358,7 +358,7 @@ def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Gene
         logprobs=np.full((T, n), -np.log(num_actions), np.float32) + rng.normal(0, 0.1, (T, n)).astype(np.float32),
         rewards=rng.choice(np.array([-1, 0, 1], np.float32), size=(T, n), p=[0.05, 0.9, 0.05]),
         terminations=rng.random((T, n)) < 0.01, truncations=rng.random((T, n)) < 0.001,
-        valid=np.ones((T, n), bool), env_ids=np.arange(first_env, first_env + n, dtype=np.int32))
+        valid=np.ones((T, n), bool), env_ids=np.arange(first_env, first_env + n, dtype=np.int32)[None])
 
 
 def rollout_structs(module, args, model) -> tuple:
@@ -379,9 +379,10 @@ def compile_learner(module, args, model, rollouts: tuple):
 
     recorded, original = [], module.update_minibatch
 
-    def recording(agent, args, state, batch):
-        recorded.append(jax.tree.map(lambda x: (x.shape, x.dtype), batch))
-        return original(agent, args, state, batch)
+    def recording(agent, args, state, batch, groups):
+        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), (batch, groups.columns, groups.keys))
+        recorded.append((shapes, groups))
+        return original(agent, args, state, batch, groups)
 
     update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts))
     module.update_minibatch = recording
@@ -389,14 +390,21 @@ def compile_learner(module, args, model, rollouts: tuple):
         compiled = update.lower(model["state"], rollouts).compile()
     finally:
         module.update_minibatch = original
-    # update_minibatch's batch is per device, every field (groups, ...): the global batch has groups x devices.
+    # update_minibatch's batch and groups are per device, every array (groups, ...): the global ones have groups x
+    # devices. The groups' static fields (exact, micro-batches) are those recorded.
+    shapes, groups = recorded[0]
     sharding = jax.sharding.NamedSharding(model["mesh"], P("learner"))
-    batch = jax.tree.map(lambda sd: jax.ShapeDtypeStruct((sd[0][0] * model["mesh"].size, *sd[0][1:]), sd[1],
-                                                         sharding=sharding),
-                         recorded[0], is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
-    step = jax.jit(jax.shard_map(partial(original, model["agent"], args), mesh=model["mesh"],
-                                 in_specs=(P(), P("learner")), out_specs=(P(), P()), check_vma=False))
-    step_analysis = step.lower(model["state"], batch).compile().memory_analysis()
+    batch, columns, keys = jax.tree.map(
+        lambda sd: jax.ShapeDtypeStruct((sd[0][0] * model["mesh"].size, *sd[0][1:]), sd[1], sharding=sharding),
+        shapes, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))
+
+    def minibatch_step(state, batch, columns, keys):
+        return original(model["agent"], args, state, batch, groups._replace(columns=columns, keys=keys))
+
+    step = jax.jit(jax.shard_map(minibatch_step, mesh=model["mesh"], in_specs=(P(), P("learner"), P("learner"),
+                                                                               P("learner")),
+                                 out_specs=(P(), P()), check_vma=False))
+    step_analysis = step.lower(model["state"], batch, columns, keys).compile().memory_analysis()
     analysis = compiled.memory_analysis()
     mib = 1 / 2**20
     memory = dict(update_temp_mib=analysis.temp_size_in_bytes * mib,

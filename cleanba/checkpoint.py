@@ -11,15 +11,6 @@ from pathlib import Path
 
 import flax.serialization
 
-# Flags that may change on resume: they change where and how a run computes or reports, not what it learns.
-RESUME_MAY_CHANGE = {"exp_name", "track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency",
-                     "eval_episodes", "capture_video", "upload_model", "hf_repo_id",
-                     "local_num_envs", "num_actor_threads", "actor_device_ids", "learner_device_ids", "distributed",
-                     "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "run_name",
-                     "checkpoint_frequency", "resume", "world_size", "local_rank", "local_batch_size",
-                     "local_minibatch_size", "memory_check"}
-
-
 def write_atomically(path: Path, payload: dict):
     """msgpack to a temporary file, fsync, rename: the file at `path` is always a complete one (old or new)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -54,13 +45,14 @@ def save_checkpoint(path: Path, args: dict, train_state, iteration: int):
                             "train_state": flax.serialization.to_state_dict(train_state)})
 
 
-def load_checkpoint(path: Path, args: dict, template):
+def load_checkpoint(path: Path, args: dict, template, may_change: set):
     """Returns (iteration, train state like template) of a checkpoint; ValueError, naming the flags, where its
-    hyperparameters differ from args."""
+    flags differ from args in one that is not in may_change (those change where or how a run computes or reports,
+    not what it learns: the scripts mark them resumable)."""
     payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
     saved, current = json.loads(payload["args"]), json.loads(json.dumps(args))
-    conflicts = [f"{key}={saved[key]} (now {current[key]})" for key in saved
-                 if key not in RESUME_MAY_CHANGE and saved[key] != current.get(key)]
+    conflicts = [f"{key}={saved.get(key)} (now {current[key]})" for key in current
+                 if key not in may_change and saved.get(key) != current[key]]
     if conflicts:
         raise ValueError(f"the checkpoint {path} was trained with {', '.join(conflicts)}")
     return payload["iteration"], flax.serialization.from_state_dict(template, payload["train_state"])

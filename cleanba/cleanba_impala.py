@@ -1,7 +1,11 @@
 """Cleanba IMPALA: actor threads step EnvPool on an actor device, a data-parallel learner trains on others.
 
-One file, read top to bottom. Design and protocol: Huang et al., "Cleanba: A Reproducible and Efficient
-Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metric glossary: README.md.
+One file, read top to bottom, in two halves. Above the ENGINE line, the algorithm: its flags and checks, the network,
+V-trace, the IMPALA loss, the minibatch schedule, the optimizer. Below it, the engine: envs, queues, actor threads, learner
+sharding, the group sums behind --exact and gradient accumulation, the update wrapper and main. The engine is the
+same, byte for byte, in cleanba_ppo.py (tests/test_engine.py): `diff` of the two scripts shows only the algorithm,
+and a fork edits the top. Design and protocol: Huang et al., "Cleanba: A Reproducible and Efficient Distributed
+Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metric glossary: README.md.
 
     python cleanba/cleanba_impala.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
@@ -12,11 +16,19 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional
+
+
+def add_xla_flags(*flags: str):
+    """Append XLA flags the user has not set (XLA reads them when a backend starts). The only place that edits them."""
+    for flag in flags:
+        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
 
 # Leave GPU memory for the actor's inference when it shares a GPU with the learner; never overwrite a
 # setting the user made (the old and new names of this variable conflict when both are set).
@@ -24,10 +36,10 @@ if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
     os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", "0.6")
 # XLA:CPU computes the weight gradients of convolutions 5-30x slower than the convolutions themselves (860 ms vs
 # 30 ms for a 3x3 conv on 64x42x42x32); routing reductions through YNNPACK brings them to the forward's cost and
-# more than halves the CPU time of an Atari update (issue 7, README "Performance"). The flag is experimental and
-# XLA aborts on flags it does not know, so it is only added for the jaxlib it was checked with, and only appended.
-if version("jaxlib").startswith("0.10.") and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_experimental_ynn_fusion_type=reduce".strip()
+# more than halves the CPU time of an Atari update (README "Performance"). The flag is experimental and XLA aborts
+# on flags it does not know, so it is only added for the jaxlib it was checked with.
+if version("jaxlib").startswith("0.10."):
+    add_xla_flags("--xla_cpu_experimental_ynn_fusion_type=reduce")
 
 import envpool
 import flax.linen as nn
@@ -43,128 +55,46 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanba.plumbing import (IterationLogger, Stopwatch, check_devices, check_flags, check_memory, default_run_name,
-                              digest, fail, first_replica, host, learner_memory_needs, watch_progress)
+                              digest, fail, first_replica, flag, host, learner_memory_needs, resumable_flags,
+                              watch_progress)
 
 
 @dataclass
-class Args:
-    exp_name: str = Path(__file__).stem
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment: environments, network initialisation and action sampling derive from it"""
-    track: bool = False
-    """sync the TensorBoard logs to Weights and Biases"""
-    wandb_project_name: str = "cleanba"
-    """the wandb project name"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team); None uses your default entity"""
-    save_model: bool = False
-    """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model, then evaluate them"""
-    eval_episodes: int = 10
-    """with --save-model: episodes played by the saved model at the end, logged as eval/episodic_return (0: none)"""
-    capture_video: bool = False
-    """with --save-model: record the evaluation episodes of one env to runs/<run_name>/videos/*.mp4"""
-    upload_model: bool = False
-    """with --save-model: upload the model, its evaluation, videos and a model card to the Hugging Face Hub"""
-    hf_repo_id: Optional[str] = None
-    """with --upload-model: the Hub repository (default: <your Hub user>/<env_id>-<exp_name>-seed<seed>)"""
-    log_frequency: int = 10
-    """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
+class Algorithm:
+    """IMPALA's flags (Espeholt et al. 2018), with the Cleanba paper's Atari values (appendix A). Args, below the ENGINE
+    line, adds the engine's. Each numeric flag carries its meaningful range ("[" and "]" include the bound), checked
+    before anything starts."""
 
-    # Algorithm specific arguments
-    env_id: str = "Breakout-v5"
-    """an EnvPool id: Atari ids (e.g. Breakout-v5) use the IMPALA ResNet, vector ids (e.g. CartPole-v1) an MLP"""
-    atari_protocol: Literal["machado", "impala"] = "machado"
-    """Atari settings: Machado et al. 2018 (sticky actions) or the IMPALA paper's (life loss, 30 no-ops)"""
-    total_timesteps: int = 50_000_000
-    """total environment steps of all envs together (frames / 4 on Atari)"""
-    learning_rate: float = 6e-4
+    learning_rate: float = flag(6e-4, "(0, inf)")
     """the learning rate of the optimizer"""
-    local_num_envs: int = 64
-    """the number of parallel envs of each actor thread"""
-    num_actor_threads: int = 2
-    """the number of actor threads per actor device"""
-    num_steps: int = 20
+    num_steps: int = flag(20, "[1, inf)")
     """the number of steps of each env per rollout"""
     anneal_lr: bool = True
     """anneal the learning rate linearly to zero over the run"""
-    gamma: float = 0.99
+    gamma: float = flag(0.99, "[0, 1]")
     """the discount factor gamma"""
-    num_minibatches: int = 4
+    num_minibatches: int = flag(4, "[1, inf)")
     """the number of minibatches (of whole env sequences) per rollout, one pass"""
-    gradient_accumulation_steps: int = 1
-    """split each minibatch into this many micro-batches whose gradients are summed (saves memory)"""
-    ent_coef: float = 0.01
+    ent_coef: float = flag(0.01, "[0, inf)")
     """coefficient of the entropy bonus"""
-    vf_coef: float = 0.5
+    vf_coef: float = flag(0.5, "(0, inf)")
     """coefficient of the baseline (value) loss"""
-    max_grad_norm: float = 40.0
+    max_grad_norm: float = flag(40.0, "(0, inf)")
     """the maximum norm for gradient clipping"""
-    rmsprop_decay: float = 0.99
+    rmsprop_decay: float = flag(0.99, "[0, 1)")
     """RMSProp's decay of the squared-gradient average"""
-    rmsprop_eps: float = 0.01
+    rmsprop_eps: float = flag(0.01, "(0, inf)")
     """RMSProp's epsilon, added outside the square root as in PyTorch"""
     channels: tuple[int, ...] = (16, 32, 32)
     """channels of the IMPALA ResNet's conv sequences"""
-    hidden_dim: int = 256
+    hidden_dim: int = flag(256, "[1, inf)")
     """width of the dense layer after the ResNet, and of the two MLP layers for vector observations"""
-
-    actor_device_ids: list[int] = field(default_factory=lambda: [0])
-    """local device ids that run the actor threads' policy inference"""
-    learner_device_ids: list[int] = field(default_factory=lambda: [0])
-    """local device ids that the learner is data-parallel over"""
-    distributed: bool = False
-    """call jax.distributed.initialize() first: several processes, e.g. one per node under SLURM"""
-    coordinator_address: Optional[str] = None
-    """with --distributed outside SLURM: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)"""
-    num_processes: Optional[int] = None
-    """with --distributed outside SLURM: the number of processes"""
-    process_id: Optional[int] = None
-    """with --distributed outside SLURM: the rank of this process, 0 .. num_processes - 1"""
-    heartbeat_timeout: int = 100
-    """with --distributed: seconds after which the others abort when a process has died"""
-    stall_timeout: int = 0
-    """abort when no iteration completes for this many seconds, e.g. a peer process is stuck (0: never)"""
-    run_name: Optional[str] = None
-    """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
-    checkpoint_frequency: int = 0
-    """save a checkpoint every this many iterations, and when stopped by SIGINT or SIGTERM (0: never)"""
-    resume: bool = False
-    """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
     concurrency: bool = True
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
-    exact: bool = False
-    """sum over fixed groups of envs in a fixed order: the same params, bit for bit, on every learner layout"""
-    group_envs: int = 8
-    """with --exact: the envs of one actor thread per group (each group's gradient is computed on its own)"""
-    memory_check: bool = True
-    """refuse, before training, a learner update that needs more memory than its devices (or the host) have left"""
-
-    # Sizes filled in at run time (paper, appendix A); not command-line flags.
-    world_size: tyro.conf.Suppress[int] = 0
-    local_rank: tyro.conf.Suppress[int] = 0
-    num_envs: tyro.conf.Suppress[int] = 0
-    local_batch_size: tyro.conf.Suppress[int] = 0
-    local_minibatch_size: tyro.conf.Suppress[int] = 0
-    batch_size: tyro.conf.Suppress[int] = 0
-    minibatch_size: tyro.conf.Suppress[int] = 0
-    num_iterations: tyro.conf.Suppress[int] = 0
 
 
-# The meaningful range of every numeric flag, "[" and "]" including the bound, "(" and ")" excluding it. A value
-# outside it (NaN included) is refused before anything starts, rather than found hours into a run.
-FLAG_RANGES = {
-    "seed": "[0, inf)", "total_timesteps": "[1, inf)", "learning_rate": "(0, inf)", "local_num_envs": "[1, inf)",
-    "num_actor_threads": "[1, inf)", "num_steps": "[1, inf)", "gamma": "[0, 1]", "num_minibatches": "[1, inf)",
-    "gradient_accumulation_steps": "[1, inf)", "ent_coef": "[0, inf)", "vf_coef": "(0, inf)",
-    "max_grad_norm": "(0, inf)", "rmsprop_decay": "[0, 1)", "rmsprop_eps": "(0, inf)",
-    "hidden_dim": "[1, inf)", "log_frequency": "[1, inf)", "eval_episodes": "[0, inf)", "heartbeat_timeout": "[1, inf)",
-    "stall_timeout": "[0, inf)", "checkpoint_frequency": "[0, inf)", "group_envs": "[1, inf)",
-}
-
-
-def check_args(args: Args):
-    check_flags(args, FLAG_RANGES)  # ranges, device ids, flags that act together (cleanba/plumbing.py)
+def check_algorithm(args: "Args"):
+    """IMPALA's checks of flags that act together (each flag's range is checked by the engine)."""
     if args.exact and args.group_envs % args.gradient_accumulation_steps:
         fail(f"--group-envs={args.group_envs} must be divisible by --gradient-accumulation-steps="
              f"{args.gradient_accumulation_steps} (with --exact a group's sequences are cut into the micro-batches); "
@@ -175,46 +105,14 @@ def check_args(args: Args):
              f"--num-actor-threads x actor devices): minibatches are whole env sequences; use at most {envs}")
 
 
-def fill_runtime_sizes(args: Args, world_size: int, local_rank: int):
-    args.world_size, args.local_rank = world_size, local_rank
-    threads = len(args.actor_device_ids) * args.num_actor_threads
-    args.num_envs = args.local_num_envs * threads * world_size
-    args.local_batch_size = args.local_num_envs * args.num_steps * threads
-    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
-    args.batch_size = args.local_batch_size * world_size
-    args.minibatch_size = args.local_minibatch_size * world_size
-    args.num_iterations = args.total_timesteps // args.batch_size
-    if args.num_iterations == 0:
-        fail(f"--total-timesteps={args.total_timesteps} is smaller than one batch of {args.batch_size} steps "
-             f"(num_envs={args.num_envs} x num_steps={args.num_steps}); raise it or shrink the batch")
+# How the engine groups a learner device's envs for IMPALA. Minibatch k holds whole sequences (V-trace runs along
+# time) of the envs whose global index is k modulo num_minibatches: num_minibatches classes of envs
+# (minibatch_classes). A group's micro-batches cut its env sequences (axis 1 of a group's (rows, envs) fields).
+MICRO_BATCH_AXIS = 1
 
 
-def env_blocks(args: Args) -> tuple:
-    """(classes, block): learner devices get whole blocks of `block` consecutive envs of an actor thread, each block
-    holding block / classes envs of every minibatch class (env id mod classes). IMPALA minibatch k is the envs whose
-    global index is k modulo num_minibatches; a block holds one --exact group of each, or else as many envs of each
-    as there are micro-batches (learner_shards)."""
-    return args.num_minibatches, args.num_minibatches * (args.group_envs if args.exact else
-                                                         args.gradient_accumulation_steps)
-
-
-def is_atari(env_id: str) -> bool:
-    return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
-
-
-def env_kwargs(args: Args) -> dict:
-    if not is_atari(args.env_id):
-        return {}
-    common = dict(img_height=84, img_width=84, stack_num=4, frame_skip=4, reward_clip=True, max_episode_steps=27_000)
-    if args.atari_protocol == "machado":  # Machado et al. 2018, section 5; Cleanba paper, appendix A
-        return dict(common, repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
-    return dict(common, repeat_action_probability=0.0, full_action_space=False, episodic_life=True, noop_max=30)
-
-
-def make_env(args: Args, num_envs: int, seed: int):
-    # batch_size == num_envs keeps recv() deterministic and in env-id order (EnvPool docs, "Auto-reset").
-    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed,
-                        **env_kwargs(args))
+def minibatch_classes(args: "Args") -> int:
+    return args.num_minibatches
 
 
 def conv_and_pool(channels: int, xla_cpu: bool):
@@ -279,224 +177,11 @@ class Agent(nn.Module):
         return x
 
 
-class Rollout(NamedTuple):
-    """num_steps transitions of some envs, time-major. obs has one more row: the obs after the last step."""
-
-    obs: np.ndarray  # (T + 1, n, *obs_shape)
-    actions: np.ndarray  # (T, n)
-    logprobs: np.ndarray  # (T, n) of the actions under the actor's policy
-    rewards: np.ndarray  # (T, n)
-    terminations: np.ndarray  # (T, n) the episode ended: no bootstrap
-    truncations: np.ndarray  # (T, n) time limit: bootstrap from the final obs, stored in the next row
-    valid: np.ndarray  # (T, n) False for EnvPool's auto-reset step, whose action is ignored
-    env_ids: np.ndarray  # (n,) global env indices, for layout-invariant shuffling
-
-
-class RolloutInfo(NamedTuple):
-    """Host-side facts about a rollout, logged by the learner (the only thread that writes logs)."""
-
-    policy_version: int
-    param_queue_wait: float
-    rollout_queue_wait: float
-    rollout_time: float
-    episode_returns: np.ndarray  # (T, n) raw score of each game that ended at a step, NaN elsewhere
-    episode_lengths: np.ndarray  # (T, n) its length in agent steps, NaN elsewhere
-    timings: dict  # seconds per part of the rollout (Stopwatch)
-
-
-class StopTraining(Exception):
-    """Raised in a thread that waits on a queue after the run was told to stop."""
-
-
-def queue_get(q: queue.Queue, stop: threading.Event):
-    while True:  # short timeouts so a stop (error elsewhere, Ctrl-C, end of run) is seen promptly
-        try:
-            return q.get(timeout=0.2)
-        except queue.Empty:
-            if stop.is_set():
-                raise StopTraining from None
-
-
-def queue_put(q: queue.Queue, item, stop: threading.Event):
-    while True:
-        try:
-            return q.put(item, timeout=0.2)
-        except queue.Full:
-            if stop.is_set():
-                raise StopTraining from None
-
-
-def make_policy(agent: Agent, action_key):
-    @jax.jit
-    def policy(params, obs, env_ids, step):
-        logits, _ = agent.apply(params, obs)
-        # One key per (global env index, step): env n samples the same actions on every device layout.
-        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
-        actions = jnp.argmax(logits + gumbel, axis=1)
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=1)[:, 0]
-        return actions, logprobs
-
-    return policy
-
-
-def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
-    """How one actor thread's envs go to the local learner devices: for each device, the slice of the envs it
-    gets and the ids of the pad envs that fill it up to the common width.
-
-    The learner needs the same number of envs on every device, in whole blocks (env_blocks). Where the envs do not
-    split so, masked pad envs make up the difference, whatever the number of devices: every step of a pad env is
-    invalid, so it adds nothing to any sum, mean or count. Pad ids are negative, congruent to the minibatch class
-    they fill (id % classes), and cost at most the padding in learner compute."""
-    classes, block = env_blocks(args)
-    width = -(-(-(-len(env_ids) // block)) // num_devices) * block  # whole blocks: ceil(ceil(envs / block) / devices)
-    shards = []
-    for start in range(0, width * num_devices, width):
-        counts = np.bincount(env_ids[start:start + width] % classes, minlength=classes)
-        pad_ids = [np.full(width // classes - count, c - classes, np.int32) for c, count in enumerate(counts)]
-        shards.append((slice(start, start + width), np.concatenate(pad_ids)))
-    return shards
-
-
-def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
-    """(shape, dtype) of each field of one actor thread's rollout."""
-    T, n = args.num_steps, args.local_num_envs
-    return Rollout(obs=((T + 1, n, *obs_shape), obs_dtype), actions=((T, n), np.int32), logprobs=((T, n), np.float32),
-                   rewards=((T, n), np.float32), terminations=((T, n), bool), truncations=((T, n), bool),
-                   valid=((T, n), bool), env_ids=((n,), np.int32))
-
-
-def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh, num_local_learner_devices: int) -> Rollout:
-    """One actor thread's rollout as put_on_learners hands it to the learner (padded, sharded): shapes only."""
-    envs = learner_shards(args, np.arange(args.local_num_envs), num_local_learner_devices)[0][0]
-    width = (envs.stop - envs.start) * mesh.size  # every learner device of every process holds the same width
-
-    def shape(name: str, shape: tuple, dtype):
-        spec = P("learner") if name == "env_ids" else P(None, "learner")
-        global_shape = (width,) if name == "env_ids" else (shape[0], width, *shape[2:])
-        return jax.ShapeDtypeStruct(global_shape, dtype, sharding=NamedSharding(mesh, spec))
-
-    return Rollout(*[shape(name, *field) for name, field in zip(Rollout._fields, fields)])
-
-
-def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
-    """Split along envs (padded where they do not split evenly), one transfer per leaf and learner device, and
-    assemble the global sharded arrays."""
-    shards = learner_shards(args, rollout.env_ids, len(local_learner_devices))
-
-    def put(name: str, x: np.ndarray):
-        axis = 0 if name == "env_ids" else 1  # every other field is time-major
-        parts = []
-        for (envs, pad_ids), device in zip(shards, local_learner_devices):
-            part = x[envs] if axis == 0 else x[:, envs]
-            if len(pad_ids):  # zeros: invalid steps (valid False); a view, not a copy, where nothing is padded
-                pad = pad_ids if axis == 0 else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]), x.dtype)
-                part = np.concatenate([part, pad], axis=axis)
-            parts.append(jax.device_put(part, device))
-        global_shape = list(parts[0].shape)
-        global_shape[axis] *= mesh.size  # every learner device of every process holds the same width
-        spec = P("learner") if axis == 0 else P(None, "learner")
-        return jax.make_array_from_single_device_arrays(tuple(global_shape), NamedSharding(mesh, spec), parts)
-
-    return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
-
-
-def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, mesh: Mesh,
-                  local_learner_devices: list, policy, param_queue: queue.Queue, rollout_queue: queue.Queue,
-                  stop: threading.Event):
-    first_env = thread_index * args.local_num_envs  # global env indices, the same on every layout
-    env_ids = np.arange(first_env, first_env + args.local_num_envs, dtype=np.int32)
-    envs = make_env(args, args.local_num_envs, seed=args.seed + first_env)
-    try:
-        T, n = args.num_steps, args.local_num_envs
-        env_ids_on_device = jax.device_put(env_ids, device)
-        episode_returns, episode_lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
-        envs.async_reset()
-        next_obs, _, _, _, info = envs.recv()
-        # EnvPool resets an env on the step after its episode ends (a lost life too, with episodic_life): that step
-        # ignores the action and must not be learned from (cleanrl issue 562). Its elapsed_step is 0 only after a
-        # real game over, so the mask follows the done flags of the step before.
-        resetting = np.zeros(n, bool)
-        # The step counter keys the action sampling; a resumed run continues it (envs restart from a reset:
-        # EnvPool's state cannot be saved).
-        rollout_queue_wait, step = 0.0, (start_iteration - 1) * T
-        for iteration in range(start_iteration, args.num_iterations + 1):
-            start = time.time()
-            # One-step lag (paper, section 4): with concurrency the second rollout reuses the first params, so
-            # the actor collects d_2 with pi_1 while the learner makes pi_2 from d_1.
-            if iteration != start_iteration + 1 or not args.concurrency:
-                policy_version, params = queue_get(param_queue, stop)
-                params = jax.device_put(params, device)
-            param_queue_wait = time.time() - start
-            clock = Stopwatch()
-            storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in
-                                rollout_fields(args, next_obs.shape[1:], next_obs.dtype)])._replace(env_ids=env_ids)
-            finished_returns, finished_lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)
-            for t in range(T):
-                storage.obs[t] = next_obs
-                clock.lap("storage")
-                actions, logprobs = policy(params, next_obs, env_ids_on_device, step)
-                clock.lap("inference")  # dispatch only: device_to_host waits for the result (no extra sync)
-                actions, logprobs = jax.device_get((actions, logprobs))
-                clock.lap("device_to_host")
-                envs.send(actions, info["env_id"])
-                clock.lap("env_send")
-                next_obs, reward, terminated, truncated, info = envs.recv()
-                clock.lap("env_recv")
-                step += 1
-                storage.actions[t], storage.logprobs[t], storage.rewards[t] = actions, logprobs, reward
-                storage.terminations[t], storage.truncations[t] = terminated, truncated
-                storage.valid[t] = ~resetting
-                resetting = terminated | truncated
-                # Scores are raw game rewards until the real game over (not a lost life, not clipped). EnvPool's
-                # info["terminated"] is int32: unconverted, it would index envs 0 and 1 instead of masking.
-                episode_returns += info.get("reward", reward)
-                episode_lengths += storage.valid[t]
-                game_over = info.get("terminated", terminated).astype(bool) | truncated
-                finished_returns[t, game_over] = episode_returns[game_over]
-                finished_lengths[t, game_over] = episode_lengths[game_over]
-                episode_returns[game_over], episode_lengths[game_over] = 0.0, 0
-                clock.lap("storage")
-            storage.obs[T] = next_obs
-            rollout = put_on_learners(args, storage, mesh, local_learner_devices)
-            clock.lap("host_to_device")
-            rollout_info = RolloutInfo(policy_version, param_queue_wait, rollout_queue_wait,
-                                       time.time() - start - param_queue_wait, finished_returns, finished_lengths,
-                                       clock.sums)
-            start = time.time()
-            queue_put(rollout_queue, (rollout, rollout_info), stop)
-            rollout_queue_wait = time.time() - start  # reported with the next rollout
-    finally:
-        envs.close()
-
-
-def scan_map(fn, xs):
-    """fn of each row of xs on its own: optimization barriers keep XLA from fusing or merging work across rows, so a
-    row's result does not depend on how many rows there are (the groups of a learner device, issue 16)."""
-    barrier = jax.lax.optimization_barrier
-    return jax.lax.map(lambda x: barrier(fn(barrier(x))), xs)
-
-
-def group_width(args: Args, envs: int) -> int:
-    """Envs per reduction group on a learner device holding `envs` (per minibatch class): the --exact group, or all."""
-    return args.group_envs if args.exact else envs
-
-
-def group_keys(env_ids):
-    """(groups,) global order of groups of (groups, width) env ids: the smallest real id of each, pad groups last."""
-    return jnp.min(jnp.where(env_ids >= 0, env_ids, jnp.iinfo(jnp.int32).max), axis=1)
-
-
-def global_sum(exact: bool, per_group, keys):
-    """The sum of per-group values (stacked on axis 0) over the groups of every learner device. A psum adds in an
-    order that follows the layout, and float addition rounds by its order. With --exact the groups are gathered on
-    every device and added one at a time in key order, so the sum is bitwise the same on any layout (issue 16)."""
-    if not exact:
-        return jax.lax.psum(jax.tree.map(lambda x: jnp.sum(x, axis=0), per_group), "learner")
-    per_group, keys = jax.lax.all_gather((per_group, keys), "learner", tiled=True)
-    order = jnp.argsort(keys)
-    add = lambda i, total: jax.tree.map(lambda t, x: t + x[order[i]], total, per_group)
-    return jax.lax.fori_loop(0, keys.shape[0], add, jax.tree.map(lambda x: jnp.zeros_like(x[0]), per_group))
+def make_network(args: "Args", num_actions: int, platform: Optional[str] = None) -> Agent:
+    """The network from the flags, for training and for evaluating a saved model (used by cleanba/evaluate.py and
+    gpu_compile.py): change this function with Agent's signature. Agent maps observations to (logits (batch,
+    actions), values (batch,)). platform: where it runs ("cpu", "gpu", ...; default: JAX's default backend)."""
+    return Agent(num_actions, tuple(args.channels), args.hidden_dim, (platform or jax.default_backend()) == "cpu")
 
 
 def vtrace_targets(values, rewards, terminations, valid, rhos, gamma: float):
@@ -512,7 +197,7 @@ def vtrace_targets(values, rewards, terminations, valid, rhos, gamma: float):
     return jax.vmap(vtrace, in_axes=1, out_axes=1)(values[:-1], values[1:], rewards, discounts, rhos)
 
 
-def impala_loss(agent: Agent, args: Args, params, batch: dict, count):
+def impala_loss(agent: Agent, args: "Args", params, batch: dict, count):
     obs_shape = batch["obs"].shape[2:]
     logits, values = agent.apply(params, batch["obs"].reshape(-1, *obs_shape))
     logits = logits.reshape(*batch["obs"].shape[:2], -1)[:-1]
@@ -530,64 +215,44 @@ def impala_loss(agent: Agent, args: Args, params, batch: dict, count):
     # rest, the same on any layout. A scalar added to the returned loss would count once per learner device and
     # micro-batch, whose gradients are summed. A new entry of `metrics` is logged as losses/<name>.
     # The loss is a sum over the minibatch's valid samples, the scale that the RMSProp epsilon and gradient clip
-    # of TorchBeast and the original Cleanba were tuned for; after the psum of the gradients it is the global sum, on
-    # any number of devices. The logged metrics are per-sample means (count is the global number).
+    # of TorchBeast and the original Cleanba were tuned for; after the sum of the gradients over all groups it is
+    # the global sum, on any number of devices. The logged metrics are per-sample means (count is the global number).
     mask = batch["valid"]
     metrics = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy,
                    approx_kl=(rhos - 1) - logratio, clipped_rho_fraction=(rhos > 1.0).astype(jnp.float32))
     # Masked sums as dots: XLA computes a dot as one op, while a reduce of v * mask fused with its producers was
-    # summed in another order in one group position of four, so logged losses differed in the last bit (issue 16).
+    # summed in another order in one group position of four, so logged losses differed in the last bit.
     metrics = {k: jnp.vdot(v, mask) / count for k, v in metrics.items()}
     return jnp.vdot(loss, mask), metrics
 
 
-def summed_gradients(grad_fn, params, micro_batches: dict, count):
-    """The sum of grad_fn's (gradients, metrics) over micro-batches stacked on axis 0: the group's. A scan, so that
-    one micro-batch's activations are alive at a time: what makes accumulation save memory."""
-    first = jax.tree.map(lambda x: x[0], micro_batches)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, count))
-    accumulate = lambda sums, micro_batch: (jax.tree.map(jnp.add, sums, grad_fn(params, micro_batch, count)), None)
-    return jax.lax.scan(accumulate, zeros, micro_batches)[0]
-
-
-def update_minibatch(agent: Agent, args: Args, state: TrainState, batch: dict):
-    """One gradient step on a global minibatch. batch: this device's groups, (groups, rows, width) per field, and
-    their order keys. Every sum is taken per group, then over all groups (global_sum)."""
-    batch = dict(batch)
-    keys = batch.pop("keys")
-    total = lambda fn, *fields: global_sum(args.exact, scan_map(lambda group: fn(*group), fields), keys)
+def update_minibatch(agent: Agent, args: "Args", state: TrainState, batch: dict, groups: "Groups"):
+    """One gradient step on a global minibatch. batch: this device's share, (groups, rows, width) per field. Every
+    sum is taken per group, then over all groups of all devices (groups.total)."""
     mask = batch["valid"].astype(jnp.float32)
-    count = jnp.maximum(total(jnp.sum, mask), 1.0)
-    batch["valid"] = mask
-    grad_fn = jax.grad(partial(impala_loss, agent, args), has_aux=True)
-    # Micro-batches: a group's env sequences cut in gradient_accumulation_steps parts.
-    split = lambda x: x.reshape(x.shape[0], args.gradient_accumulation_steps, -1, *x.shape[2:]).swapaxes(0, 1)
-    gradients = lambda group: summed_gradients(grad_fn, state.params, jax.tree.map(split, group), count)
-    grads, metrics = total(gradients, batch)
+    count = jnp.maximum(groups.total(jnp.sum, mask), 1.0)
+    grads, metrics = groups.gradients(partial(impala_loss, agent, args), state.params, dict(batch, valid=mask), count)
     return state.apply_gradients(grads=grads), metrics
 
 
-def impala_update(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
-    """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
-    ro = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0 if xs[0].ndim == 1 else 1), *rollouts)
-    data = dict(obs=ro.obs, actions=ro.actions, logprobs=ro.logprobs, rewards=ro.rewards,
-                terminations=ro.terminations, valid=ro.valid)
-    # Minibatch k holds whole sequences (V-trace runs along time) of the envs whose global index is k modulo
-    # num_minibatches: the same envs on any layout, as many on every device (pad envs fill up), in groups of
-    # `width` envs. Order shuffled.
-    width = group_width(args, ro.env_ids.shape[0] // args.num_minibatches)
-    columns = jnp.argsort(ro.env_ids % args.num_minibatches, stable=True).reshape(args.num_minibatches, -1, width)
+def learn(agent: Agent, args: "Args", shuffle_key, state: TrainState, rollout: "Rollout", groups: "Groups"):
+    """One learner iteration on this learner device's envs (inside shard_map). The loop nest of one iteration:
+    minibatches (lax.scan over minibatch_step, in a shuffled order of the minibatch classes) -> groups of envs
+    (groups.total) -> micro-batches (groups.gradients). Returns the new state and the metrics averaged over the
+    minibatches."""
+    data = dict(obs=rollout.obs, actions=rollout.actions, logprobs=rollout.logprobs, rewards=rollout.rewards,
+                terminations=rollout.terminations, valid=rollout.valid)
     order = jax.random.permutation(jax.random.fold_in(shuffle_key, state.step), args.num_minibatches)
 
-    def step(state, cols):  # cols: (groups, width)
-        batch = jax.tree.map(lambda x: jnp.moveaxis(x[:, cols], 1, 0), data)  # (groups, rows, width)
-        return update_minibatch(agent, args, state, dict(batch, keys=group_keys(ro.env_ids[cols])))
+    def minibatch_step(state, k):  # minibatch k: whole sequences of the envs of class k
+        minibatch_groups = groups.of_class(k)
+        return update_minibatch(agent, args, state, minibatch_groups.take(data), minibatch_groups)
 
-    state, metrics = jax.lax.scan(step, state, columns[order])
+    state, metrics = jax.lax.scan(minibatch_step, state, order)
     return state, jax.tree.map(jnp.mean, metrics)
 
 
-def make_optimizer(args: Args):
+def make_optimizer(args: "Args"):
     updates_per_iteration = args.num_minibatches
 
     def linear_schedule(count):
@@ -603,29 +268,457 @@ def make_optimizer(args: Args):
     )
 
 
-def make_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
+# ======== ENGINE: everything below this line is the same, byte for byte, in cleanba_ppo.py and cleanba_impala.py ========
+# The algorithm above, as the engine calls it; and the names that tools importing a script as a module use
+# (cleanba/evaluate.py, benchmark.py, gpu_compile.py; tests/test_engine.py checks both lists).
+ALGORITHM_NAMES = ("Algorithm", "check_algorithm", "MICRO_BATCH_AXIS", "minibatch_classes", "make_network", "learn",
+                   "make_optimizer", "update_minibatch")
+TOOL_NAMES = ("Args", "check_args", "fill_runtime_sizes", "check_devices", "env_kwargs", "make_env", "make_network",
+              "make_agent", "initial_state", "make_policy", "first_replica", "rollout_fields", "learner_rollout_shapes",
+              "put_on_learners", "rollout_actor", "make_learner_update", "update_minibatch", "run_thread", "Stop",
+              "StopTraining", "queue_get", "queue_put", "Rollout")
+
+
+@dataclass
+class Args(Algorithm):
+    """The flags: the algorithm's (above), then the engine's (envs, devices, processes, logs, checkpoints)."""
+
+    exp_name: str = flag(Path(__file__).stem, resumable=True)
+    """the name of this experiment"""
+    seed: int = flag(1, "[0, inf)")
+    """seed of the experiment: environments, network initialisation and action sampling derive from it"""
+    track: bool = flag(False, resumable=True)
+    """sync the TensorBoard logs to Weights and Biases"""
+    wandb_project_name: str = flag("cleanba", resumable=True)
+    """the wandb project name"""
+    wandb_entity: Optional[str] = flag(None, resumable=True)
+    """the wandb entity (team); None uses your default entity"""
+    save_model: bool = flag(False, resumable=True)
+    """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model, then evaluate them"""
+    eval_episodes: int = flag(10, "[0, inf)", resumable=True)
+    """with --save-model: episodes played by the saved model at the end, logged as eval/episodic_return (0: none)"""
+    capture_video: bool = flag(False, resumable=True)
+    """with --save-model: record the evaluation episodes of one env to runs/<run_name>/videos/*.mp4"""
+    upload_model: bool = flag(False, resumable=True)
+    """with --save-model: upload the model, its evaluation, videos and a model card to the Hugging Face Hub"""
+    hf_repo_id: Optional[str] = flag(None, resumable=True)
+    """with --upload-model: the Hub repository (default: <your Hub user>/<env_id>-<exp_name>-seed<seed>)"""
+    log_frequency: int = flag(10, "[1, inf)", resumable=True)
+    """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
+    env_id: str = "Breakout-v5"
+    """an EnvPool id: Atari ids (e.g. Breakout-v5) use the IMPALA ResNet, vector ids (e.g. CartPole-v1) an MLP"""
+    atari_protocol: Literal["machado", "impala"] = "machado"
+    """Atari settings: Machado et al. 2018 (sticky actions) or the IMPALA paper's (life loss, 30 no-ops)"""
+    total_timesteps: int = flag(50_000_000, "[1, inf)")
+    """total environment steps of all envs together (frames / 4 on Atari)"""
+    local_num_envs: int = flag(64, "[1, inf)", resumable=True)
+    """the number of parallel envs of each actor thread"""
+    num_actor_threads: int = flag(2, "[1, inf)", resumable=True)
+    """the number of actor threads per actor device"""
+    gradient_accumulation_steps: int = flag(1, "[1, inf)")
+    """split each minibatch into this many micro-batches whose gradients are summed (saves memory)"""
+    actor_device_ids: list[int] = flag([0], resumable=True)
+    """local device ids that run the actor threads' policy inference"""
+    learner_device_ids: list[int] = flag([0], resumable=True)
+    """local device ids that the learner is data-parallel over"""
+    distributed: bool = flag(False, resumable=True)
+    """call jax.distributed.initialize() first: several processes, e.g. one per node under SLURM"""
+    coordinator_address: Optional[str] = flag(None, resumable=True)
+    """with --distributed outside SLURM: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)"""
+    num_processes: Optional[int] = flag(None, resumable=True)
+    """with --distributed outside SLURM: the number of processes"""
+    process_id: Optional[int] = flag(None, resumable=True)
+    """with --distributed outside SLURM: the rank of this process, 0 .. num_processes - 1"""
+    heartbeat_timeout: int = flag(100, "[1, inf)", resumable=True)
+    """with --distributed: seconds after which the others abort when a process has died"""
+    stall_timeout: int = flag(0, "[0, inf)", resumable=True)
+    """abort when no iteration completes for this many seconds, e.g. a peer process is stuck (0: never)"""
+    run_name: Optional[str] = flag(None, resumable=True)
+    """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
+    checkpoint_frequency: int = flag(0, "[0, inf)", resumable=True)
+    """save a checkpoint every this many iterations, and when stopped by SIGINT or SIGTERM (0: never)"""
+    resume: bool = flag(False, resumable=True)
+    """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
+    exact: bool = False
+    """sum over fixed groups of envs in a fixed order: the same params, bit for bit, on every learner layout"""
+    group_envs: int = flag(8, "[1, inf)")
+    """with --exact: the envs of one actor thread per group (each group's gradient is computed on its own)"""
+    memory_check: bool = flag(True, resumable=True)
+    """refuse, before training, a learner update that needs more memory than its devices (or the host) have left"""
+
+    # Sizes filled in at run time (paper, appendix A); not command-line flags.
+    world_size: tyro.conf.Suppress[int] = flag(0, resumable=True)  # the number of processes
+    process_index: tyro.conf.Suppress[int] = flag(0, resumable=True)  # this process's, 0 .. world_size - 1
+    num_envs: tyro.conf.Suppress[int] = 0
+    local_batch_size: tyro.conf.Suppress[int] = flag(0, resumable=True)
+    local_minibatch_size: tyro.conf.Suppress[int] = flag(0, resumable=True)
+    batch_size: tyro.conf.Suppress[int] = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
+    num_iterations: tyro.conf.Suppress[int] = 0
+
+
+def check_args(args: Args):
+    check_flags(args)  # ranges, device ids, flags that act together (cleanba/plumbing.py)
+    check_algorithm(args)
+
+
+def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
+    args.world_size, args.process_index = world_size, process_index
+    threads = len(args.actor_device_ids) * args.num_actor_threads
+    args.num_envs = args.local_num_envs * threads * world_size
+    args.local_batch_size = args.local_num_envs * args.num_steps * threads
+    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
+    args.batch_size = args.local_batch_size * world_size
+    args.minibatch_size = args.local_minibatch_size * world_size
+    args.num_iterations = args.total_timesteps // args.batch_size
+    if args.num_iterations == 0:
+        fail(f"--total-timesteps={args.total_timesteps} is smaller than one batch of {args.batch_size} steps "
+             f"(num_envs={args.num_envs} x num_steps={args.num_steps}); raise it or shrink the batch")
+
+
+def is_atari(env_id: str) -> bool:
+    return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
+
+
+def env_kwargs(args: Args) -> dict:
+    if not is_atari(args.env_id):
+        return {}
+    common = dict(img_height=84, img_width=84, stack_num=4, frame_skip=4, reward_clip=True, max_episode_steps=27_000)
+    if args.atari_protocol == "machado":  # Machado et al. 2018, section 5; Cleanba paper, appendix A
+        return dict(common, repeat_action_probability=0.25, full_action_space=True, episodic_life=False, noop_max=1)
+    return dict(common, repeat_action_probability=0.0, full_action_space=False, episodic_life=True, noop_max=30)
+
+
+def make_env(args: Args, num_envs: int, seed: int):
+    # batch_size == num_envs keeps recv() deterministic and in env-id order (EnvPool docs, "Auto-reset").
+    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed,
+                        **env_kwargs(args))
+
+
+class Rollout(NamedTuple):
+    """num_steps transitions of some envs, time-major: every field is (rows, envs, ...). obs has one more row: the
+    obs after the last step. A field added here travels to the learner with no other change."""
+
+    obs: np.ndarray  # (T + 1, n, *obs_shape)
+    actions: np.ndarray  # (T, n)
+    logprobs: np.ndarray  # (T, n) of the actions under the actor's policy
+    rewards: np.ndarray  # (T, n)
+    terminations: np.ndarray  # (T, n) the episode ended: no bootstrap
+    truncations: np.ndarray  # (T, n) time limit: bootstrap from the final obs, stored in the next row
+    valid: np.ndarray  # (T, n) False for EnvPool's auto-reset step, whose action is ignored
+    env_ids: np.ndarray  # (1, n) global env indices, for layout-invariant shuffling and sums (pad envs: negative)
+
+
+class RolloutInfo(NamedTuple):
+    """Host-side facts about a rollout, logged by the learner (the only thread that writes logs)."""
+
+    policy_version: int
+    param_queue_wait: float
+    handover_start: float  # time.time() when the actor began to queue the rollout
+    rollout_time: float
+    episode_returns: np.ndarray  # (T, n) raw score of each game that ended at a step, NaN elsewhere
+    episode_lengths: np.ndarray  # (T, n) its length in agent steps, NaN elsewhere
+    timings: dict  # seconds per part of the rollout (Stopwatch)
+    rollout_queue_wait: float = 0.0  # how long the actor waited to queue it: filled in by the learner
+
+
+class StopTraining(Exception):
+    """Raised in a thread that waits on a queue after the run was told to stop."""
+
+
+class Stop(threading.Event):
+    """Set when the run must stop: at the end, on a signal (SIGINT, SIGTERM) or on an error in any thread. Every
+    queue wait sees it within 0.2 s (StopTraining), the learner at each iteration. It keeps why."""
+
+    def __init__(self):
+        super().__init__()
+        self.signals, self.errors = [], []
+
+
+def queue_get(q: queue.Queue, stop: Stop):
+    while True:  # short timeouts so a stop (error elsewhere, Ctrl-C, end of run) is seen promptly
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if stop.is_set():
+                raise StopTraining from None
+
+
+def queue_put(q: queue.Queue, item, stop: Stop):
+    while True:
+        try:
+            return q.put(item, timeout=0.2)
+        except queue.Full:
+            if stop.is_set():
+                raise StopTraining from None
+
+
+def make_policy(agent, action_key):
+    @jax.jit
+    def policy(params, obs, env_ids, step):
+        logits, _ = agent.apply(params, obs)
+        # One key per (global env index, step): env n samples the same actions on every device layout.
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
+        actions = jnp.argmax(logits + gumbel, axis=1)
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=1)[:, 0]
+        return actions, logprobs
+
+    return policy
+
+
+def env_blocks(args: Args) -> tuple:
+    """(classes, block): the learner's reduction groups, the one place their size is decided. The envs of a learner
+    device fall in `classes` minibatch classes (env id mod classes, minibatch_classes above). A group holds
+    --group-envs envs of one class with --exact, else all of the device's envs of that class. Learner devices get an
+    actor thread's envs in whole blocks of `block` consecutive envs: one group of each class with --exact, else as
+    many envs of each class as a group has micro-batches where those cut envs (MICRO_BATCH_AXIS 1), else one."""
+    classes = minibatch_classes(args)
+    per_class = args.group_envs if args.exact else args.gradient_accumulation_steps if MICRO_BATCH_AXIS == 1 else 1
+    return classes, classes * per_class
+
+
+def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
+    """How one actor thread's envs go to the local learner devices: for each device, the slice of the envs it
+    gets and the ids of the pad envs that fill it up to the common width.
+
+    The learner needs the same number of envs on every device, in whole blocks (env_blocks). Where the envs do not
+    split so, masked pad envs make up the difference, whatever the number of devices: every step of a pad env is
+    invalid, so it adds nothing to any sum, mean or count. Pad ids are negative, congruent to the minibatch class
+    they fill (id % classes), and cost at most the padding in learner compute."""
+    classes, block = env_blocks(args)
+    blocks_per_device = -(-(-(-len(env_ids) // block)) // num_devices)  # ceil(ceil(envs / block) / devices)
+    width = blocks_per_device * block
+    shards = []
+    for start in range(0, width * num_devices, width):
+        counts = np.bincount(env_ids[start:start + width] % classes, minlength=classes)
+        pad_ids = [np.full(width // classes - count, c - classes, np.int32) for c, count in enumerate(counts)]
+        shards.append((slice(start, start + width), np.concatenate(pad_ids)))
+    return shards
+
+
+def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
+    """(shape, dtype) of each field of one actor thread's rollout."""
+    T, n = args.num_steps, args.local_num_envs
+    return Rollout(obs=((T + 1, n, *obs_shape), obs_dtype), actions=((T, n), np.int32), logprobs=((T, n), np.float32),
+                   rewards=((T, n), np.float32), terminations=((T, n), bool), truncations=((T, n), bool),
+                   valid=((T, n), bool), env_ids=((1, n), np.int32))
+
+
+def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh, num_local_learner_devices: int) -> Rollout:
+    """One actor thread's rollout as put_on_learners hands it to the learner (padded, sharded): shapes only."""
+    envs = learner_shards(args, np.arange(args.local_num_envs), num_local_learner_devices)[0][0]
+    width = (envs.stop - envs.start) * mesh.size  # every learner device of every process holds the same width
+    sharding = NamedSharding(mesh, P(None, "learner"))
+    return Rollout(*[jax.ShapeDtypeStruct((shape[0], width, *shape[2:]), dtype, sharding=sharding)
+                     for shape, dtype in fields])
+
+
+def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
+    """Split along envs (axis 1 of every field; padded where they do not split evenly), one transfer per leaf and
+    learner device, and assemble the global sharded arrays."""
+    shards = learner_shards(args, rollout.env_ids[0], len(local_learner_devices))
+
+    def put(name: str, x: np.ndarray):
+        parts = []
+        for (envs, pad_ids), device in zip(shards, local_learner_devices):
+            part = x[:, envs]
+            if len(pad_ids):  # pad envs: their ids, and zeros elsewhere (valid False); no copy where none is needed
+                pad = pad_ids[None] if name == "env_ids" else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]),
+                                                                       x.dtype)
+                part = np.concatenate([part, pad], axis=1)
+            parts.append(jax.device_put(part, device))
+        global_shape = (x.shape[0], parts[0].shape[1] * mesh.size, *x.shape[2:])  # the same width on every device
+        return jax.make_array_from_single_device_arrays(global_shape, NamedSharding(mesh, P(None, "learner")), parts)
+
+    return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
+
+
+def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, mesh: Mesh,
+                  local_learner_devices: list, policy, param_queue: queue.Queue, rollout_queue: queue.Queue,
+                  stop: Stop):
+    """Thread body: for each iteration, take the params the learner queued for it, play num_steps steps of its envs,
+    queue the rollout. How far behind the learner it runs is decided by the learner alone (train)."""
+    first_env = thread_index * args.local_num_envs  # global env indices, the same on every layout
+    env_ids = np.arange(first_env, first_env + args.local_num_envs, dtype=np.int32)
+    envs = make_env(args, args.local_num_envs, seed=args.seed + first_env)
+    try:
+        T, n = args.num_steps, args.local_num_envs
+        env_ids_on_device = jax.device_put(env_ids, device)
+        episode_returns, episode_lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
+        envs.async_reset()
+        next_obs, _, _, _, info = envs.recv()
+        # EnvPool resets an env on the step after its episode ends (a lost life too, with episodic_life): that step
+        # ignores the action and must not be learned from (cleanrl issue 562). Its elapsed_step is 0 only after a
+        # real game over, so the mask follows the done flags of the step before.
+        resetting = np.zeros(n, bool)
+        for iteration in range(start_iteration, args.num_iterations + 1):
+            clock = Stopwatch()
+            policy_version, params = queue_get(param_queue, stop)
+            params = jax.device_put(params, device)
+            clock.lap("param_queue_wait")
+            storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in
+                                rollout_fields(args, next_obs.shape[1:], next_obs.dtype)])._replace(env_ids=env_ids[None])
+            finished_returns, finished_lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)
+            for t in range(T):
+                storage.obs[t] = next_obs
+                clock.lap("storage")
+                # The step keys the action sampling: a resumed run continues it (envs restart from a reset, as
+                # EnvPool's state cannot be saved).
+                actions, logprobs = policy(params, next_obs, env_ids_on_device, (iteration - 1) * T + t)
+                clock.lap("inference")  # dispatch only: device_to_host waits for the result (no extra sync)
+                actions, logprobs = jax.device_get((actions, logprobs))
+                clock.lap("device_to_host")
+                envs.send(actions, info["env_id"])
+                clock.lap("env_send")
+                next_obs, reward, terminated, truncated, info = envs.recv()
+                clock.lap("env_recv")
+                storage.actions[t], storage.logprobs[t], storage.rewards[t] = actions, logprobs, reward
+                storage.terminations[t], storage.truncations[t] = terminated, truncated
+                storage.valid[t] = ~resetting
+                resetting = terminated | truncated
+                # Scores are raw game rewards until the real game over (not a lost life, not clipped). EnvPool's
+                # info["terminated"] is int32: unconverted, it would index envs 0 and 1 instead of masking.
+                episode_returns += info.get("reward", reward)
+                episode_lengths += storage.valid[t]
+                game_over = info.get("terminated", terminated).astype(bool) | truncated
+                finished_returns[t, game_over] = episode_returns[game_over]
+                finished_lengths[t, game_over] = episode_lengths[game_over]
+                episode_returns[game_over], episode_lengths[game_over] = 0.0, 0
+                clock.lap("storage")
+            storage.obs[T] = next_obs
+            rollout = put_on_learners(args, storage, mesh, local_learner_devices)
+            clock.lap("host_to_device")
+            param_queue_wait = clock.sums.pop("param_queue_wait")
+            rollout_info = RolloutInfo(policy_version, param_queue_wait, time.time(), sum(clock.sums.values()),
+                                       finished_returns, finished_lengths, clock.sums)
+            queue_put(rollout_queue, (rollout, rollout_info), stop)
+    finally:
+        envs.close()
+
+
+class Groups(NamedTuple):
+    """The reduction groups of a learner device's envs (env_blocks): every sum the update takes over samples is a sum
+    over groups, each group computed on its own, then added over the groups of all devices. With --exact they are
+    added in the order of `keys` (each group's smallest global env id), the same on any layout; otherwise by psum.
+    The loop nest of one gradient step: groups (map) -> micro-batches (scan) -> the sum over groups (sum)."""
+
+    columns: jax.Array  # ([classes,] groups, width): the positions of each group's envs on this device
+    keys: jax.Array  # ([classes,] groups): the place of each group in the global order of sums
+    exact: bool
+    micro_batches: int  # per group: --gradient-accumulation-steps
+    micro_batch_axis: int  # the axis of a group's (rows, width) fields that micro-batches cut
+
+    @property
+    def width(self) -> int:
+        return self.columns.shape[-1]
+
+    def of_class(self, k) -> "Groups":
+        """The groups of minibatch class k (env id mod classes)."""
+        return self._replace(columns=self.columns[k], keys=self.keys[k])
+
+    def take(self, data: dict, time_indices=None) -> dict:
+        """Each (rows, n, ...) field of data as (groups, rows, width, ...): every row, or each env's own time steps
+        (time_indices: (rows, n))."""
+        if time_indices is None:
+            return {name: jnp.moveaxis(x[:, self.columns], 1, 0) for name, x in data.items()}
+        rows = jnp.moveaxis(time_indices[:, self.columns], 1, 0)
+        return {name: x[rows, self.columns[:, None, :]] for name, x in data.items()}
+
+    def map(self, fn, *fields):
+        """fn of each group's slice of fields (stacked on axis 0), each on its own: optimization barriers keep XLA
+        from fusing or merging work across groups, so that a group's result does not depend on how many groups a
+        device holds."""
+        def fenced(group):
+            return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(group)))
+
+        return jax.lax.map(fenced, fields)
+
+    def sum(self, per_group):
+        """The sum of per-group values (stacked on axis 0) over the groups of every learner device. A psum adds in
+        an order that follows the layout, and float addition rounds by its order. With --exact the groups are
+        gathered on every device and added one at a time in key order: bitwise the same sum on any layout."""
+        if not self.exact:
+            return jax.lax.psum(jax.tree.map(partial(jnp.sum, axis=0), per_group), "learner")
+        per_group, keys = jax.lax.all_gather((per_group, self.keys), "learner", tiled=True)
+        order = jnp.argsort(keys)
+
+        def add(i, total):
+            return jax.tree.map(lambda t, x: t + x[order[i]], total, per_group)
+
+        return jax.lax.fori_loop(0, keys.shape[0], add, jax.tree.map(lambda x: jnp.zeros_like(x[0]), per_group))
+
+    def total(self, fn, *fields):
+        """The sum over all groups of fn of each group's fields."""
+        return self.sum(self.map(fn, *fields))
+
+    def split_micro_batches(self, x):
+        """A group's (rows, width, ...) field as (micro_batches, ...) parts along micro_batch_axis."""
+        if self.micro_batch_axis == 0:
+            return x.reshape(self.micro_batches, -1, *x.shape[1:])
+        return x.reshape(x.shape[0], self.micro_batches, -1, *x.shape[2:]).swapaxes(0, 1)
+
+    def gradients(self, loss_fn, params, batch: dict, count):
+        """The sum over all groups and their micro-batches of (gradients, metrics) of loss_fn(params, micro_batch,
+        count) -> (loss, metrics). batch: (groups, rows, width) per field."""
+        grad_fn = jax.grad(loss_fn, has_aux=True)
+
+        def group_gradients(group):
+            return summed_gradients(grad_fn, params, jax.tree.map(self.split_micro_batches, group), count)
+
+        return self.total(group_gradients, batch)
+
+
+def summed_gradients(grad_fn, params, micro_batches: dict, count):
+    """The sum of grad_fn's (gradients, metrics) over micro-batches stacked on axis 0. A scan, so that one
+    micro-batch's activations are alive at a time: what makes accumulation save memory."""
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, count))
+
+    def accumulate(sums, micro_batch):
+        return jax.tree.map(jnp.add, sums, grad_fn(params, micro_batch, count)), None
+
+    return jax.lax.scan(accumulate, zeros, micro_batches)[0]
+
+
+def make_groups(args: Args, env_ids) -> Groups:
+    """The groups of a learner device's envs (env_ids: their global ids, pad envs negative): by minibatch class, then
+    --group-envs envs at a time with --exact, else all of the device's envs of that class (env_blocks)."""
+    classes = minibatch_classes(args)
+    width = args.group_envs if args.exact else env_ids.shape[0] // classes
+    columns = jnp.argsort(env_ids % classes, stable=True).reshape(classes, -1, width)
+    ids = env_ids[columns]
+    keys = jnp.min(jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max), axis=-1)  # pad groups last
+    return Groups(columns, keys, args.exact, args.gradient_accumulation_steps, MICRO_BATCH_AXIS)
+
+
+def learner_update(agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
+    """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
+    rollout = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *rollouts)  # every field: envs on axis 1
+    return learn(agent, args, shuffle_key, state, rollout, make_groups(args, rollout.env_ids[0]))
+
+
+def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
     """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices.
     Loops (minibatches, groups, micro-batches) are rolled on every platform, so that memory is reused from one step
     to the next: the learner needs about one micro-batch step's memory (README "Memory").
     Forking: `args` is read once, when the update is traced; a value that changes during training must be an input
     (the learning rate is one: optax.inject_hyperparams keeps it in state.opt_state), not a field changed on args."""
-    # Every field is time-major with envs on axis 1, but env_ids (envs only): a field added to Rollout needs nothing.
-    rollout_spec = Rollout(*[P("learner") if name == "env_ids" else P(None, "learner") for name in Rollout._fields])
     return jax.jit(jax.shard_map(
-        partial(impala_update, agent, args, shuffle_key), mesh=mesh,
-        in_specs=(P(), (rollout_spec,) * num_slots), out_specs=(P(), P()),
-        # Without replication typing, gradients stay per-device until the explicit psum in update_minibatch
+        partial(learner_update, agent, args, shuffle_key), mesh=mesh,
+        in_specs=(P(), (P(None, "learner"),) * num_slots), out_specs=(P(), P()),
+        # Without replication typing, gradients stay per-device until the explicit sum over groups (Groups.sum)
         # (and rlax's scans, whose carries are unannotated, trace as they are).
         check_vma=False))
 
 
-def compile_learner_update(agent: Agent, args: Args, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple):
+def compile_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple):
     """make_learner_update compiled ahead of time from shapes: the first iteration waits for no compile, and what the
     update needs in memory is known before any env steps (check_learner_memory)."""
     return make_learner_update(agent, args, shuffle_key, mesh, len(rollouts)).lower(state, rollouts).compile()
 
 
-def check_learner_memory(args: Args, agent: Agent, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple,
+def check_learner_memory(args: Args, agent, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple,
                          learner_update, local_learner_devices: list, fields: Rollout):
     """Refuse a learner that cannot fit in memory, before training (cleanba/plumbing.py check_memory)."""
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh.size
@@ -640,13 +733,6 @@ def check_learner_memory(args: Args, agent: Agent, shuffle_key, mesh: Mesh, stat
                  accumulation_needs, args.gradient_accumulation_steps)
 
 
-def make_network(args: Args, num_actions: int, platform: Optional[str] = None) -> Agent:
-    """The network from the flags, for training and for evaluating a saved model (cleanba/evaluate.py): change
-    this function with Agent's signature. Agent maps observations to (logits (batch, actions), values (batch,)).
-    platform: where it runs ("cpu", "gpu", ...; default: JAX's default backend)."""
-    return Agent(num_actions, tuple(args.channels), args.hidden_dim, (platform or jax.default_backend()) == "cpu")
-
-
 def make_agent(args: Args, mesh: Mesh):
     """The network, its initial train state replicated over the learner devices, and the action and shuffle keys."""
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
@@ -656,7 +742,7 @@ def make_agent(args: Args, mesh: Mesh):
     return agent, jax.device_put(state, NamedSharding(mesh, P())), action_key, shuffle_key
 
 
-def initial_state(agent: Agent, args: Args, observation_space, init_key) -> TrainState:
+def initial_state(agent, args: Args, observation_space, init_key) -> TrainState:
     obs_example = np.zeros((1, *observation_space.shape), observation_space.dtype)
     state = TrainState.create(apply_fn=None, params=agent.init(init_key, obs_example), tx=make_optimizer(args))
     return state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
@@ -676,14 +762,14 @@ def make_process_gather(mesh: Mesh, local_learner_devices: list):
     return gather
 
 
-def run_thread(target, stop: threading.Event, errors: list, *thread_args):
+def run_thread(target, stop: Stop, *thread_args):
     """Thread body: any error stops the whole run and is re-raised by the main thread."""
     try:
         target(*thread_args, stop)
     except StopTraining:
         pass
     except BaseException as error:
-        errors.append(error)
+        stop.errors.append(error)
         stop.set()
 
 
@@ -702,178 +788,226 @@ def initialize_distributed(args: Args):
           f"{jax.config.read('jax_cuda_visible_devices')}", flush=True)
 
 
-def main(args: Args):
+class Run:
+    """What start() sets up for train() and finish(): devices, state, compiled update, queues, threads, logger."""
+
+    completed: int  # the last iteration whose update is in `state`
+    model_path: Optional[Path] = None  # set once the trained model is saved
+
+
+def start(args: Args) -> Run:
+    """Everything before the first iteration, in the order that lets bad input fail before any thread starts."""
     # Deterministic GPU kernels (no atomics in scatter-adds and reductions, no timing-dependent autotuning): on an
     # accelerator, what --exact needs besides its fixed order of sums. XLA reads it when the backend starts.
-    if args.exact and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+    if args.exact:
+        add_xla_flags("--xla_gpu_deterministic_ops=true")
     if args.distributed:  # before anything touches a device
         initialize_distributed(args)
     check_devices(args, len(jax.local_devices()))
     fill_runtime_sizes(args, jax.process_count(), jax.process_index())
+    run = Run()
+    run.args, run.stop = args, Stop()
     local_devices = jax.local_devices()
     actor_devices = [local_devices[i] for i in args.actor_device_ids]
-    local_learner_devices = [local_devices[i] for i in args.learner_device_ids]
+    run.local_learner_devices = [local_devices[i] for i in args.learner_device_ids]
     learner_devices = [jax.local_devices(process_index=p)[i]
                        for p in range(args.world_size) for i in args.learner_device_ids]
-    mesh = Mesh(np.array(learner_devices), ("learner",))
-    is_writer = args.local_rank == 0
+    run.mesh = mesh = Mesh(np.array(learner_devices), ("learner",))
     run_name = args.run_name or default_run_name(args)
-    run_dir = Path("runs") / run_name
-    checkpoint_path = run_dir / "checkpoint.msgpack"
+    run.run_dir = Path("runs") / run_name
+    run.checkpoint_path = run.run_dir / "checkpoint.msgpack"
     # A requeued SLURM job resumes by itself (SLURM_RESTART_COUNT counts the requeues).
-    resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and checkpoint_path.exists())
-    if resume and not checkpoint_path.exists():
-        fail(f"--resume: no checkpoint at {checkpoint_path}; give the --run-name of a run that saved one "
+    resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and run.checkpoint_path.exists())
+    if resume and not run.checkpoint_path.exists():
+        fail(f"--resume: no checkpoint at {run.checkpoint_path}; give the --run-name of a run that saved one "
              f"(--checkpoint-frequency)")
 
-    if args.checkpoint_frequency or resume or args.save_model:  # optional file I/O, imported only when used
-        from cleanba import checkpoint
-
-    agent, state, action_key, shuffle_key = make_agent(args, mesh)
+    agent, run.state, action_key, shuffle_key = make_agent(args, mesh)
     if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
         from cleanba.evaluate import check_network
 
-        check_network(sys.modules[__name__], args, first_replica(state.params))
-    start_iteration = 1
+        check_network(sys.modules[__name__], args, first_replica(run.state.params))
+    run.completed = 0
     if resume:
+        from cleanba import checkpoint
+
         try:
-            completed, restored = checkpoint.load_checkpoint(checkpoint_path, asdict(args), host(state))
+            completed, restored = checkpoint.load_checkpoint(run.checkpoint_path, asdict(args), host(run.state),
+                                                             resumable_flags(args))
         except ValueError as error:
             fail(f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
                  "with another --run-name")
-        state, start_iteration = jax.device_put(restored, NamedSharding(mesh, P())), completed + 1
-        print(f"rank {args.local_rank}: resumed {checkpoint_path} at iteration {completed} (global step "
+        run.state, run.completed = jax.device_put(restored, NamedSharding(mesh, P())), completed
+        print(f"rank {args.process_index}: resumed {run.checkpoint_path} at iteration {completed} (global step "
               f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
               f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}", flush=True)
+    run.start_iteration = run.completed + 1
 
     num_slots = len(actor_devices) * args.num_actor_threads
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
     fields = rollout_fields(args, spec.observation_space.shape, spec.observation_space.dtype)
-    rollouts = (learner_rollout_shapes(args, fields, mesh, len(local_learner_devices)),) * num_slots
-    learner_update = compile_learner_update(agent, args, shuffle_key, mesh, state, rollouts)
+    rollouts = (learner_rollout_shapes(args, fields, mesh, len(run.local_learner_devices)),) * num_slots
+    run.update = compile_learner_update(agent, args, shuffle_key, mesh, run.state, rollouts)
     if args.memory_check:
-        check_learner_memory(args, agent, shuffle_key, mesh, state, rollouts, learner_update, local_learner_devices,
-                             fields)
+        check_learner_memory(args, agent, shuffle_key, mesh, run.state, rollouts, run.update,
+                             run.local_learner_devices, fields)
 
-    logger = None
-    if is_writer:
-        purge_step = (start_iteration - 1) * args.batch_size + 1 if resume else None  # drop logs after it
-        logger = IterationLogger(args, run_name, run_dir, purge_step)
+    run.logger = None  # only process 0 writes logs, checkpoints and the model
+    if args.process_index == 0:
+        purge_step = run.completed * args.batch_size + 1 if resume else None  # drop logs after it
+        run.logger = IterationLogger(args, run_name, run.run_dir, purge_step)
         pads = sum(len(pad_ids) for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs),
-                                                                 len(local_learner_devices)))
+                                                                 len(run.local_learner_devices)))
         padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
         print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
               f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
-              f"{len(learner_devices)} device(s){padding}, logs in {run_dir}", flush=True)
+              f"{len(learner_devices)} device(s){padding}, logs in {run.run_dir}", flush=True)
         if args.exact:
             print(f"exact: sums over groups of {args.group_envs} envs in a fixed order; XLA_FLAGS: "
                   f"{os.environ['XLA_FLAGS']}", flush=True)
 
     policy = make_policy(agent, action_key)
-    process_gather = make_process_gather(mesh, local_learner_devices)
-
-    stop, errors, stop_signals = threading.Event(), [], []
-    param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
-    threads = []
+    run.process_gather = make_process_gather(mesh, run.local_learner_devices)
+    run.param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
+    run.rollout_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
+    run.threads = []
     for d, device in enumerate(actor_devices):
         for t in range(args.num_actor_threads):
             slot = d * args.num_actor_threads + t
-            thread_index = args.local_rank * num_slots + slot
-            threads.append(threading.Thread(
+            thread_index = args.process_index * num_slots + slot
+            run.threads.append(threading.Thread(
                 target=run_thread, daemon=True, name=f"actor-{thread_index}",
-                args=(rollout_actor, stop, errors, args, start_iteration, thread_index, device, mesh,
-                      local_learner_devices, policy, param_queues[slot], rollout_queues[slot])))
+                args=(rollout_actor, run.stop, args, run.start_iteration, thread_index, device, mesh,
+                      run.local_learner_devices, policy, run.param_queues[slot], run.rollout_queues[slot])))
 
     def on_signal(signum, frame):  # stop at the next queue wait or iteration boundary, checkpoint, exit
-        stop_signals.append(signum)
+        run.stop.signals.append(signum)
         if args.distributed:  # processes must stop after the same iteration, or one would wait forever in a
-            os.kill(os.getpid(), signal.SIGTERM)  # collective: JAX's preemption notifier syncs them (below)
+            os.kill(os.getpid(), signal.SIGTERM)  # collective: JAX's preemption notifier syncs them (train)
         else:
-            stop.set()
+            run.stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     if not args.distributed:  # JAX's notifier already holds SIGTERM
         signal.signal(signal.SIGTERM, on_signal)
-    completed = start_iteration - 1  # the last iteration whose update is in `state`
-    model_path = None
-    try:
-        learner_version = completed
-        for q in param_queues:
-            queue_put(q, (learner_version, first_replica(state.params)), stop)
-        for thread in threads:
-            thread.start()
-        last_progress = [time.time()]
-        if args.stall_timeout:
-            threading.Thread(target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True,
-                             name="watchdog").start()
-        for iteration in range(start_iteration, args.num_iterations + 1):
-            start = time.time()
-            items = [queue_get(q, stop) for q in rollout_queues]
-            rollout_queue_wait = time.time() - start
-            start = time.time()
-            state, metrics = learner_update(state, tuple(rollout for rollout, _ in items))
-            jax.block_until_ready(state)
-            learner_update_time = time.time() - start
-            completed = learner_version = iteration
-            last_progress[0] = time.time()
-            # Each actor takes params before every rollout but the second (concurrency) or every rollout (sync),
-            # so the last one or two param versions would have no taker.
-            if iteration < args.num_iterations - int(args.concurrency):
-                replica = first_replica(state.params)
-                for q in param_queues:
-                    queue_put(q, (learner_version, replica), stop)
-            # The games that ended, in global env order (actor slots, then processes): every process takes part.
-            episodes = np.concatenate([np.stack([info.episode_returns, info.episode_lengths]) for _, info in items],
-                                      axis=2)
-            if args.world_size > 1:
-                episodes = np.concatenate(list(process_gather(episodes)), axis=2)
-            if logger is not None:
-                logger.log(iteration, [info for _, info in items], episodes, rollout_queue_wait,
-                           learner_update_time, state, metrics)
-                if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
-                    checkpoint.save_checkpoint(checkpoint_path, asdict(args), host(state), iteration)
-            # All processes see a SIGTERM (e.g. SLURM preemption) at the same iteration and stop together.
-            if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
-                stop_signals.append(signal.SIGTERM)
-                break
-            if stop.is_set():
-                raise StopTraining
-        print(f"rank {args.local_rank}: final params sha256 {digest(first_replica(state.params))}", flush=True)
-        if args.save_model and is_writer:
-            model_path = run_dir / f"{args.exp_name}.cleanba_model"
-            checkpoint.save_model(model_path, Path(__file__).name, asdict(args), host(state.params))
-            print(f"model saved to {model_path}", flush=True)
-    except StopTraining:
-        pass  # a signal, or an actor failed: handled below
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=30)
-        if any(thread.is_alive() for thread in threads):
-            print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
-        if stop_signals and not errors and is_writer and args.checkpoint_frequency and completed >= start_iteration:
-            checkpoint.save_checkpoint(checkpoint_path, asdict(args), host(state), completed)
-            print(f"checkpoint of iteration {completed} saved to {checkpoint_path}", flush=True)
-        if args.distributed:  # a barrier of all processes: before rank 0's evaluation, so that none waits for it
-            jax.distributed.shutdown()
-        try:
-            if model_path is not None and args.eval_episodes and not stop_signals:
-                from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
+    return run
 
-                evaluate_after_training(sys.modules[__name__], Path(__file__), args, model_path, logger.writer,
-                                        run_dir, interrupted=lambda: bool(stop_signals))
-        finally:
-            if logger is not None:
-                logger.close()
-    if errors:
-        traceback.print_exception(errors[0])
-        print(f"an actor thread failed ({type(errors[0]).__name__}); the run stopped", file=sys.stderr)
+
+def put_params(run: Run):
+    replica = first_replica(run.state.params)
+    for q in run.param_queues:
+        queue_put(q, (run.completed, replica), run.stop)
+
+
+def train(run: Run):
+    """The learner's loop, from run.start_iteration to the end or a stop; the model saved at the end."""
+    args, stop = run.args, run.stop
+    for thread in run.threads:
+        thread.start()
+    # The one-step lag (paper, section 4), stated here only: rollout i is collected with the params of update
+    # i - 1 - lag, so with concurrency the first two rollouts share the starting params and the actor collects d_2
+    # with pi_1 while the learner makes pi_2 from d_1. Each actor takes params before every rollout.
+    lag = int(args.concurrency)
+    for _ in range(1 + lag):
+        put_params(run)
+    last_progress = [time.time()]
+    if args.stall_timeout:
+        threading.Thread(target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True,
+                         name="watchdog").start()
+    taken = [None] * len(run.rollout_queues)  # when the learner took each actor's last rollout
+    for iteration in range(run.start_iteration, args.num_iterations + 1):
+        start_time = time.time()
+        items = [queue_get(q, stop) for q in run.rollout_queues]
+        rollout_queue_wait = time.time() - start_time
+        # An actor queues a rollout once the learner took its previous one: the wait is known at this take.
+        infos = [info._replace(rollout_queue_wait=max(0.0, (previous or info.handover_start) - info.handover_start))
+                 for (_, info), previous in zip(items, taken)]
+        taken = [time.time()] * len(items)
+        start_time = time.time()
+        run.state, metrics = run.update(run.state, tuple(rollout for rollout, _ in items))
+        jax.block_until_ready(run.state)
+        learner_update_time = time.time() - start_time
+        run.completed = iteration
+        last_progress[0] = time.time()
+        if iteration + 1 + lag <= args.num_iterations:  # the params of rollout iteration + 1 + lag
+            put_params(run)
+        # The games that ended, in global env order (actor slots, then processes): every process takes part.
+        episodes = np.concatenate([np.stack([info.episode_returns, info.episode_lengths]) for info in infos], axis=2)
+        if args.world_size > 1:
+            episodes = np.concatenate(list(run.process_gather(episodes)), axis=2)
+        if run.logger is not None:
+            run.logger.log(iteration, infos, episodes, rollout_queue_wait, learner_update_time, run.state, metrics)
+            if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
+                save_checkpoint(run)
+        # All processes see a SIGTERM (e.g. SLURM preemption) at the same iteration and stop together.
+        if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
+            stop.signals.append(signal.SIGTERM)
+            raise StopTraining
+        if stop.is_set():
+            raise StopTraining
+    print(f"rank {args.process_index}: final params sha256 {digest(first_replica(run.state.params))}", flush=True)
+    if args.save_model and run.logger is not None:
+        from cleanba import checkpoint
+
+        run.model_path = run.run_dir / f"{args.exp_name}.cleanba_model"
+        checkpoint.save_model(run.model_path, Path(__file__).name, asdict(args), host(run.state.params))
+        print(f"model saved to {run.model_path}", flush=True)
+
+
+def save_checkpoint(run: Run):
+    from cleanba import checkpoint  # optional file I/O, imported only when used
+
+    checkpoint.save_checkpoint(run.checkpoint_path, asdict(run.args), host(run.state), run.completed)
+
+
+def stop_run(run: Run):
+    """After train, however it ended: every actor thread joined, a checkpoint when a signal stopped the run, and the
+    barrier of all processes (before process 0 evaluates, so that none waits for it)."""
+    run.stop.set()
+    for thread in run.threads:
+        thread.join(timeout=30)
+    if any(thread.is_alive() for thread in run.threads):
+        print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
+    stopped_by_signal = run.stop.signals and not run.stop.errors
+    if stopped_by_signal and run.logger is not None and run.args.checkpoint_frequency and \
+            run.completed >= run.start_iteration:
+        save_checkpoint(run)
+        print(f"checkpoint of iteration {run.completed} saved to {run.checkpoint_path}", flush=True)
+    if run.logger is not None:
+        run.logger.writer.flush()
+    if run.args.distributed:
+        jax.distributed.shutdown()
+
+
+def finish(run: Run):
+    """After stop_run: the saved model's evaluation, the logs closed, and the exit status of how the run ended."""
+    try:
+        if run.model_path is not None and run.args.eval_episodes and not run.stop.signals:
+            from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
+
+            evaluate_after_training(sys.modules[__name__], Path(__file__), run.args, run.model_path, run.logger.writer,
+                                    run.run_dir, interrupted=lambda: bool(run.stop.signals))
+    finally:
+        if run.logger is not None:
+            run.logger.close()
+    if run.stop.errors:
+        traceback.print_exception(run.stop.errors[0])
+        print(f"an actor thread failed ({type(run.stop.errors[0]).__name__}); the run stopped", file=sys.stderr)
         sys.exit(1)
-    if stop_signals:
-        print(f"stopped by signal {stop_signals[0]} after iteration {completed}", file=sys.stderr)
-        sys.exit(128 + stop_signals[0])
+    if run.stop.signals:
+        print(f"stopped by signal {run.stop.signals[0]} after iteration {run.completed}", file=sys.stderr)
+        sys.exit(128 + run.stop.signals[0])
+
+
+def main(args: Args):
+    run = start(args)
+    try:
+        train(run)
+    except StopTraining:
+        pass  # a signal, or an actor failed: run.stop says which
+    finally:
+        stop_run(run)
+    finish(run)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -39,10 +40,30 @@ def in_range(value: float, interval: str) -> bool:
     return above and below
 
 
-def check_flags(args, flag_ranges: dict):
+def flag(default, interval: Optional[str] = None, *, resumable: bool = False):
+    """A field of a script's Args with what the engine needs to know of it: the interval of meaningful values of a
+    numeric flag ("[low, high)": "[" and "]" include the bound), refused outside it before anything starts; and
+    whether a resumed run may change it (it changes where or how a run computes or reports, not what it learns)."""
+    metadata = dict(range=interval, resumable=resumable)
+    if isinstance(default, list):
+        return field(default_factory=partial(list, default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def flag_ranges(args) -> dict:
+    """{name: interval} of every flag of an Args class or instance that has a range."""
+    return {f.name: f.metadata["range"] for f in fields(args) if f.metadata.get("range")}
+
+
+def resumable_flags(args) -> set:
+    """The names of the flags a resumed run may change (flag(..., resumable=True))."""
+    return {f.name for f in fields(args) if f.metadata.get("resumable")}
+
+
+def check_flags(args):
     """The checks both scripts share: every numeric flag in its range (NaN is in none), device ids, and the flags
     that only act together with another."""
-    for name, interval in flag_ranges.items():
+    for name, interval in flag_ranges(args).items():
         if not in_range(getattr(args, name), interval):
             fail(f"--{name.replace('_', '-')}={getattr(args, name)} is outside its meaningful range {interval}; "
                  f"give a value in {interval}")

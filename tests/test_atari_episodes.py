@@ -28,9 +28,9 @@ def actor_rollouts(script: str, protocol: str, iterations: int):
     agent, state, action_key, _ = module.make_agent(args, mesh)
     params = module.first_replica(state.params)
     param_queue, rollout_queue = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
-    stop, errors = threading.Event(), []
+    stop = module.Stop()
     thread = threading.Thread(target=module.run_thread, daemon=True, args=(
-        module.rollout_actor, stop, errors, args, 1, 0, device, mesh, [device],
+        module.rollout_actor, stop, args, 1, 0, device, mesh, [device],
         module.make_policy(agent, action_key), param_queue, rollout_queue))
     thread.start()
     rollouts = []
@@ -42,7 +42,7 @@ def actor_rollouts(script: str, protocol: str, iterations: int):
     finally:
         stop.set()
         thread.join(timeout=30)
-    assert not errors, errors
+    assert not stop.errors, stop.errors
     return module, args, rollouts
 
 

@@ -60,7 +60,7 @@ def numeric_flags(module) -> dict:
             if hints[f.name] in (int, float) and f.name not in RUNTIME_SIZES}
 
 
-RUNTIME_SIZES = {"world_size", "local_rank", "num_envs", "local_batch_size", "local_minibatch_size", "batch_size",
+RUNTIME_SIZES = {"world_size", "process_index", "num_envs", "local_batch_size", "local_minibatch_size", "batch_size",
                  "minibatch_size", "num_iterations"}
 
 
@@ -83,14 +83,14 @@ def test_every_numeric_flag_has_a_checked_range(script, capsys):
 
     import tyro
 
-    from cleanba.plumbing import in_range
+    from cleanba.plumbing import flag_ranges, in_range
 
     module = importlib.import_module(f"cleanba.cleanba_{script}")
-    flags = numeric_flags(module)
-    assert set(flags) == set(module.FLAG_RANGES), "every numeric flag needs a range, and only those"
+    flags, ranges = numeric_flags(module), flag_ranges(module.Args)
+    assert set(flags) == set(ranges), "every numeric flag needs a range, and only those"
     defaults = module.Args()
     for name, kind in flags.items():
-        interval = module.FLAG_RANGES[name]
+        interval = ranges[name]
         assert in_range(getattr(defaults, name), interval), (name, "default outside its range")
         for value in outside(interval, kind):
             args = tyro.cli(module.Args, args=["--env-id", "CartPole-v1", f"--{name.replace('_', '-')}", str(value)])

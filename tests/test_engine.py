@@ -1,0 +1,54 @@
+"""The two scripts share one engine: the text below the ENGINE line is the same in both, byte for byte, so that `diff`
+shows only the algorithm and an engine fix is one block copied. The names the engine calls above the line, and the
+names the tools use of a script imported as a module, are listed in the scripts and exist."""
+import difflib
+import importlib
+import re
+
+import pytest
+
+from conftest import ROOT, SCRIPTS
+
+MARKER = "# ======== ENGINE:"
+TOOLS = ["evaluate.py", "benchmark.py", "gpu_compile.py"]
+
+
+def parts(script: str) -> tuple:
+    """(imports: after the module docstring up to the algorithm, the algorithm, the engine) of a script's text."""
+    text = SCRIPTS[script].read_text()
+    assert text.count(MARKER) == 1, f"{SCRIPTS[script].name}: one ENGINE line expected"
+    docstring_end = text.index('"""', 3) + 3
+    algorithm, engine = text.index("@dataclass\nclass Algorithm"), text.index(MARKER)
+    return text[docstring_end:algorithm], text[algorithm:engine], text[engine:]
+
+
+@pytest.mark.parametrize("part", [0, 2], ids=["imports", "engine"])
+def test_the_shared_parts_are_byte_identical_in_both_scripts(part):
+    ppo, impala = parts("ppo")[part], parts("impala")[part]
+    diff = "".join(difflib.unified_diff(ppo.splitlines(True), impala.splitlines(True), "cleanba_ppo.py",
+                                        "cleanba_impala.py"))
+    assert ppo == impala, f"the scripts differ outside the algorithm; copy the changed block to the other:\n{diff}"
+
+
+@pytest.mark.parametrize("script", ["ppo", "impala"])
+def test_the_engine_reaches_the_algorithm_only_through_its_listed_names(script):
+    module = importlib.import_module(f"cleanba.cleanba_{script}")
+    _, top, engine = parts(script)
+    for name in module.ALGORITHM_NAMES:
+        assert re.search(rf"^(def |class |){name}\b", top, re.M), f"{name} is not defined above the ENGINE line"
+    defined_above = set(re.findall(r"^(?:def|class) (\w+)|^([A-Z_]+) =", top, re.M))
+    defined_above = {a or b for a, b in defined_above}
+    engine_words = set(re.findall(r"\b\w+\b", engine))
+    used = sorted(name for name in defined_above & engine_words if name not in module.ALGORITHM_NAMES)
+    assert not used, f"the engine uses {used} of the algorithm without listing them in ALGORITHM_NAMES"
+
+
+def test_the_names_tools_use_are_listed_and_exist():
+    used = set()
+    for tool in TOOLS:
+        used |= set(re.findall(r"\bmodule\.([A-Za-z]\w*)", (ROOT / "cleanba" / tool).read_text()))
+    for script in ["ppo", "impala"]:
+        module = importlib.import_module(f"cleanba.cleanba_{script}")
+        assert used <= set(module.TOOL_NAMES), f"listed in no TOOL_NAMES: {sorted(used - set(module.TOOL_NAMES))}"
+        missing = [name for name in module.TOOL_NAMES if not hasattr(module, name)]
+        assert not missing, f"{script}: TOOL_NAMES lists {missing}, which it does not define"
