@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -103,6 +103,13 @@ def make_eval_policy(agent, greedy: bool):
         return jax.random.categorical(key, logits, axis=1)
 
     return act
+
+
+def args_of_model(module, saved: dict):
+    """The script's Args from a saved model's args. Entries that are no longer fields (the run-time sizes of older
+    versions, such as local_rank, now process_index) are left out: they do not change the network or the envs."""
+    names = {f.name for f in fields(module.Args)}
+    return module.Args(**{name: value for name, value in saved.items() if name in names})
 
 
 def check_network(module, train_args, params):
@@ -316,7 +323,7 @@ def main(args: Args):
     train_args_dict, params, script_name = load_model(args.model)
     script_path = script_of(args.model, script_name, args.script)
     module = load_script(script_path)
-    train_args = module.Args(**train_args_dict)
+    train_args = args_of_model(module, train_args_dict)
     video_dir = (args.video_dir or args.model.parent / "videos") if args.capture_video else None
     returns, lengths, videos = evaluate(module, train_args, params, args.episodes, args.num_envs,
                                         args.greedy, args.seed, video_dir)

@@ -107,3 +107,18 @@ def test_upload_without_a_token_is_refused_before_training(tmp_path):
     assert not (tmp_path / "runs").exists()
     process = run_script("impala", [*TINY["impala"], "--capture-video"], tmp_path)
     assert process.returncode == 2 and "add --save-model" in process.stderr
+
+
+def test_cli_plays_a_model_saved_by_an_older_version(tmp_path):
+    """Models saved before the run-time size local_rank became process_index still load: args that are no longer
+    flags are left out."""
+    from cleanba.checkpoint import load_model, save_model
+
+    _, model = train_and_save("ppo", tmp_path, ["--eval-episodes", 0])
+    args, params, script = load_model(model)
+    args["local_rank"] = args.pop("process_index")
+    save_model(model, script, args, params)
+    process = subprocess.run(list(map(str, [*EVALUATE, model, "--episodes", 2])), cwd=ROOT, env=script_env(),
+                             capture_output=True, text=True, timeout=240)
+    check_ok(process)
+    assert "CartPole-v1: 2 episodes" in process.stdout
