@@ -87,7 +87,6 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 

@@ -25,9 +25,9 @@ from typing import Literal, NamedTuple, Optional
 
 def add_xla_flags(*flags: str):
     """Append XLA flags the user has not set (XLA reads them when a backend starts). The only place that edits them."""
-    for flag in flags:
-        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    for xla_flag in flags:
+        if xla_flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flag}".strip()
 
 
 # Leave GPU memory for the actor's inference when it shares a GPU with the learner; never overwrite a
@@ -300,7 +300,7 @@ def make_optimizer(args: "Args"):
     )
 
 
-# ======== ENGINE: everything below this line is the same, byte for byte, in cleanba_ppo.py and cleanba_impala.py ========
+# ======== ENGINE: everything below this line is the same, byte for byte, in cleanba_ppo.py and cleanba_impala.py
 # The algorithm above, as the engine calls it; and the names that tools importing a script as a module use
 # (cleanba/evaluate.py, benchmark.py, gpu_compile.py; tests/test_engine.py checks both lists).
 ALGORITHM_NAMES = ("Algorithm", "check_algorithm", "MICRO_BATCH_AXIS", "minibatch_classes", "make_network", "learn",
@@ -500,10 +500,9 @@ def make_policy(agent, action_key):
 
 
 def env_blocks(args: Args) -> tuple:
-    """(classes, block): the learner's reduction groups, the one place their size is decided. The envs of a learner
-    device fall in `classes` minibatch classes (env id mod classes, minibatch_classes above). A group holds
-    --group-envs envs of one class with --exact, else all of the device's envs of that class. Learner devices get an
-    actor thread's envs in whole blocks of `block` consecutive envs: one group of each class with --exact, else as
+    """(classes, block): how the learner devices split an actor thread's envs. The envs of a learner device fall in
+    `classes` minibatch classes (env id mod classes, minibatch_classes above), and in groups within a class
+    (make_groups). Devices get whole blocks of `block` consecutive envs: one --exact group of each class, else as
     many envs of each class as a group has micro-batches where those cut envs (MICRO_BATCH_AXIS 1), else one."""
     classes = minibatch_classes(args)
     per_class = args.group_envs if args.exact else args.gradient_accumulation_steps if MICRO_BATCH_AXIS == 1 else 1
@@ -589,8 +588,8 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
             policy_version, params = queue_get(param_queue, stop)
             params = jax.device_put(params, device)
             clock.lap("param_queue_wait")
-            storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in
-                                rollout_fields(args, next_obs.shape[1:], next_obs.dtype)])._replace(env_ids=env_ids[None])
+            fields = rollout_fields(args, next_obs.shape[1:], next_obs.dtype)
+            storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in fields])._replace(env_ids=env_ids[None])
             finished_returns, finished_lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)
             for t in range(T):
                 storage.obs[t] = next_obs
@@ -714,8 +713,9 @@ def summed_gradients(grad_fn, params, micro_batches: dict, count):
 
 
 def make_groups(args: Args, env_ids) -> Groups:
-    """The groups of a learner device's envs (env_ids: their global ids, pad envs negative): by minibatch class, then
-    --group-envs envs at a time with --exact, else all of the device's envs of that class (env_blocks)."""
+    """The groups of a learner device's envs (env_ids: their global ids, pad envs negative), the one place their
+    size is decided: by minibatch class, then --group-envs envs at a time with --exact, else all of the device's envs
+    of that class (env_blocks gives every device whole groups)."""
     classes = minibatch_classes(args)
     width = args.group_envs if args.exact else env_ids.shape[0] // classes
     columns = jnp.argsort(env_ids % classes, stable=True).reshape(classes, -1, width)
@@ -997,7 +997,8 @@ def stop_run(run: Run):
     barrier of all processes (before process 0 evaluates, so that none waits for it)."""
     run.stop.set()
     for thread in run.threads:
-        thread.join(timeout=30)
+        if thread.ident is not None:  # started
+            thread.join(timeout=30)
     if any(thread.is_alive() for thread in run.threads):
         print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
     stopped_by_signal = run.stop.signals and not run.stop.errors
