@@ -485,10 +485,23 @@ def queue_put(q: queue.Queue, item, stop: Stop):
                 raise StopTraining from None
 
 
-def make_policy(agent, action_key):
+def make_policy(agent, action_key, chunk: int = 0):
+    """The actor's jitted policy step: (params, obs, global env ids, step) -> (actions, logprobs). chunk (with --exact:
+    --group-envs): the network runs on that many envs at a time, each chunk on its own (optimization barriers), so
+    that an env's logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
+    def chunked_logits(params, obs):
+        pad = -obs.shape[0] % chunk
+        padded = jnp.concatenate([obs, jnp.zeros((pad, *obs.shape[1:]), obs.dtype)]) if pad else obs
+
+        def chunk_logits(o):
+            return jax.lax.optimization_barrier(agent.apply(params, jax.lax.optimization_barrier(o))[0])
+
+        logits = jax.lax.map(chunk_logits, padded.reshape(-1, chunk, *obs.shape[1:]))
+        return logits.reshape(-1, logits.shape[-1])[:obs.shape[0]]
+
     @jax.jit
     def policy(params, obs, env_ids, step):
-        logits, _ = agent.apply(params, obs)
+        logits = chunked_logits(params, obs) if chunk else agent.apply(params, obs)[0]
         # One key per (global env index, step): env n samples the same actions on every device layout.
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
@@ -894,11 +907,16 @@ def start(args: Args) -> Run:
         print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
               f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
               f"{len(learner_devices)} device(s){padding}, logs in {run.run_dir}", flush=True)
-        if args.exact:
-            print(f"exact: sums over groups of {args.group_envs} envs in a fixed order; XLA_FLAGS: "
-                  f"{os.environ['XLA_FLAGS']}", flush=True)
+        if args.exact:  # groups are cut from each actor thread's envs, so they only tile the same way in whole blocks
+            block = env_blocks(args)[1]
+            splits = (f"and on any split of the envs over actor threads and processes whose --local-num-envs is a "
+                      f"multiple of {block}" if args.local_num_envs % block == 0 else
+                      f"but not on another split of the envs over actor threads or processes (--local-num-envs is not "
+                      f"a multiple of {block}, a block of groups)")
+            print(f"exact: sums over groups of {args.group_envs} envs in a fixed order, the same bits on every learner "
+                  f"layout {splits}; XLA_FLAGS: {os.environ['XLA_FLAGS']}", flush=True)
 
-    policy = make_policy(agent, action_key)
+    policy = make_policy(agent, action_key, args.group_envs if args.exact else 0)
     run.process_gather = make_process_gather(mesh, run.local_learner_devices)
     run.param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
     run.rollout_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]

@@ -1,7 +1,7 @@
 """--exact: the same seed and global sizes train bitwise the same params on every learner layout (issue 16).
 
-Each case runs 2 actor threads' worth of envs (2 x 4) on a0-l0, a0-l1,2 and a0-l1,2,3 in one process, and as two
-processes of one thread each (d2), and compares, iteration by iteration, the params checksum, the losses and the
+Each case runs 2 actor threads' worth of envs (2 x 4) on a0-l0, a0-l1,2 and a0-l1,2,3 in one process, as one
+thread of 8 envs, and as two processes of one thread of 4 each (d2), and compares, iteration by iteration, the params checksum, the losses and the
 episode curves, and the final params sha256 of every run.
 
 Every process has the same 4 forced host devices, whatever devices its layout uses: XLA:CPU sizes its thread pool
@@ -40,11 +40,11 @@ LAYOUTS = {
 }
 
 
-def exact_args(script, env_id, threads):
+def exact_args(script, env_id, threads, envs=ENVS):
     flags, steps = SIZES[script, env_id]
     total = ITERATIONS * 2 * ENVS * steps  # 2 x ENVS envs in all, on every layout
     return [*flags, "--env-id", env_id, "--exact", "--group-envs", "2", "--log-frequency", "1", "--seed", "3",
-            "--local-num-envs", ENVS, "--num-actor-threads", threads, "--total-timesteps", total]
+            "--local-num-envs", envs, "--num-actor-threads", threads, "--total-timesteps", total]
 
 
 def curves(directory) -> dict:
@@ -57,14 +57,17 @@ def final_digests(output: str) -> list:
 
 
 def layout_runs(script, env_id, tmp_path) -> dict:
-    """{layout: (curves, final digests)} of the four layouts."""
+    """{layout: (curves, final digests)} of the layouts: 2 actor threads of ENVS envs on each of LAYOUTS; one thread
+    of 2 x ENVS envs (the d1 run a user compares a d2 run with); two processes of one thread of ENVS envs (d2)."""
     runs = {}
-    for name, flags in LAYOUTS.items():
+    one_thread = {"a0-l0-t1": ["--local-num-envs", 2 * ENVS, "--num-actor-threads", 1]}
+    for name, flags in {**LAYOUTS, **one_thread}.items():
         process = run_script(script, [*exact_args(script, env_id, 2), *flags], tmp_path / name, devices=DEVICES,
                              timeout=600)
         check_ok(process)
         # What XLA is told: deterministic GPU kernels (a flag XLA:CPU also parses, or it would abort at start).
         assert "XLA_FLAGS:" in process.stdout and "--xla_gpu_deterministic_ops=true" in process.stdout
+        assert "on any split of the envs over actor threads and processes" in process.stdout, process.stdout
         runs[name] = curves(run_dir(tmp_path / name)), final_digests(process.stdout)
     pair = start_pair(script, tmp_path / "d2", [*exact_args(script, env_id, 1), "--actor-device-ids", "0",
                                                 "--learner-device-ids", "1"], devices=DEVICES)
@@ -77,7 +80,7 @@ def layout_runs(script, env_id, tmp_path) -> dict:
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Breakout-v5"])
 def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
-    for name in [*LAYOUTS, "d2"]:
+    for name in [*LAYOUTS, "a0-l0-t1", "d2"]:
         (tmp_path / name).mkdir()
     runs = layout_runs(script, env_id, tmp_path)
     reference, (digest,) = runs.pop("a0-l0")
@@ -127,3 +130,14 @@ def test_resume_on_another_layout_is_exact(script, tmp_path):
     for tag in CURVES:
         assert logged[tag].tobytes() == reference[tag].tobytes(), (tag, logged[tag], reference[tag])
     assert digests == digest and len(digest) == 1
+
+
+def test_a_split_that_cannot_be_exact_says_so(tmp_path):
+    """IMPALA's groups take --group-envs envs of each of the num_minibatches classes: 2 threads of 8 envs cut groups
+    of 4 classes x 8 differently from 1 thread of 16 (pads fill each thread's block). The run says what holds."""
+    process = run_script("impala", ["--env-id", "CartPole-v1", "--hidden-dim", 16, "--num-steps", 8, "--exact",
+                                    "--local-num-envs", 8, "--num-actor-threads", 2, "--total-timesteps", 128],
+                         tmp_path)
+    check_ok(process)
+    assert "but not on another split of the envs over actor threads or processes (--local-num-envs is not a " \
+           "multiple of 32, a block of groups)" in process.stdout, process.stdout
