@@ -84,6 +84,12 @@ def d1_digest(script: str, tmp_path) -> str:
     return final_digests(process.stdout)["0"]
 
 
+def reasons(output: str) -> list:
+    """The lines of a failed run's output that say why (JAX's abort, the watchdog), for the printed timings."""
+    return [line[:240] for line in output.splitlines()
+            if re.search(r"(?i)terminating|heartbeat|stall-timeout|unavailable|deadline", line)][:3]
+
+
 def wait_for_training(process: subprocess.Popen) -> str:
     seen = []
     for line in process.stdout:
@@ -134,8 +140,10 @@ def test_a_killed_node_process_ends_the_run(nodes, tmp_path):
     killed = time.time()
     rest = outputs_of(processes[:1], timeout=heartbeat_timeout + 60)[0]
     took = time.time() - killed
-    print(f"node1 killed: rank 0 ended {took:.1f} s later (heartbeat timeout {heartbeat_timeout} s)")
+    print(f"node1 killed: rank 0 ended {took:.1f} s later (heartbeat timeout {heartbeat_timeout} s), exit "
+          f"{processes[0].returncode}; it said:", *reasons(rest), sep="\n  ")
     assert processes[0].returncode != 0 and took < heartbeat_timeout + 60, seen + rest
+    assert "stopped sending heartbeats" in rest, rest  # JAX names the unhealthy task
 
 
 def test_a_network_partition_ends_the_run(nodes, tmp_path):
@@ -155,7 +163,10 @@ def test_a_network_partition_ends_the_run(nodes, tmp_path):
         nodes.set_link("node1", up=True)
     print(f"partition: both ranks ended {took:.1f} s after the link went down (heartbeat {heartbeat_timeout} s, "
           f"stall {stall_timeout} s); exit {[p.returncode for p in processes]}")
+    for rank, output in enumerate(outputs):
+        print(f"rank {rank} said:", *reasons(output), sep="\n  ")
     assert all(process.returncode != 0 for process in processes), outputs
+    assert all("JAX distributed service detected fatal errors" in output for output in outputs), outputs
     checkpoint = tmp_path / "node0" / "runs" / "partition" / "checkpoint.msgpack"
     if checkpoint.exists():  # never half-written: a complete msgpack file
         assert "iteration" in flax.serialization.msgpack_restore(checkpoint.read_bytes())
@@ -183,4 +194,58 @@ def test_sigterm_to_one_node_stops_both_and_the_resumed_run_finishes(nodes, tmp_
         assert process.returncode == 0, output
     assert f"at iteration {stopped[0].group(1)}" in outputs[0]
     logged = [step for step, _ in scalars(run_dir(tmp_path))["stats/params_checksum"]]
+    assert logged == [i * 8 * steps("ppo") for i in range(1, iterations + 1)], logged
+
+
+def task_pids(marker: str) -> dict:
+    """{SLURM_NODEID: pid} of the running training processes whose command line holds marker."""
+    found = {}
+    for pid in subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split():
+        try:
+            environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+        except OSError:
+            continue
+        if "SLURM_NODEID" in environ and "cleanba_ppo.py" in cmdline:
+            found[environ["SLURM_NODEID"]] = int(pid)
+    return found
+
+
+def test_preempted_slurm_job_requeued_on_two_nodes_finishes(nodes, tmp_path):
+    """SIGTERM reaches the task on node1 only: both tasks stop after the same iteration and rank 0 checkpoints; the
+    job, requeued (SLURM_RESTART_COUNT=1), resumes from that checkpoint on the two nodes and trains the planned
+    iterations, each logged once."""
+    iterations = 40
+    marker = f"requeue-{os.getpid()}"
+    command = " ".join(map(str, [sys.executable, SCRIPTS["ppo"], "--distributed", *flags("ppo", 4, iterations),
+                                 "--checkpoint-frequency", 1000, "--run-name", marker]))
+    env = dict(script_env(2), SLURM_CONF=str(nodes.conf))
+    launched = nodes.slurm([sys.executable, "-m", "cleanba.launch_slurm", "--command", command, "--env-ids",
+                            "CartPole-v1", "--seeds", 7, "--nodes", 2, "--ntasks-per-node", 1, "--job-name", marker,
+                            "--workdir", tmp_path], cwd=ROOT, env=env, timeout=60)
+    assert launched.returncode == 0, launched.stderr
+    job_id = re.search(r"submitted job (\d+)", launched.stdout).group(1)
+    deadline = time.time() + 120
+    while time.time() < deadline and "step " not in "".join(p.read_text() for p in (tmp_path / "slurm").glob("*.out")):
+        time.sleep(0.5)
+    pids = task_pids(marker)
+    assert set(pids) == {"0", "1"}, pids
+    os.kill(pids["1"], signal.SIGTERM)
+    (task,) = nodes.wait(job_id, timeout=120)
+    first = "".join(p.read_text() for p in (tmp_path / "slurm").glob("*.out"))
+    stopped = re.findall(r"stopped by signal 15 after iteration (\d+)", first)
+    assert len(stopped) == 2 and len(set(stopped)) == 1, first + nodes.logs()
+    assert task["JobState"] != "COMPLETED" and f"checkpoint of iteration {stopped[0]} saved" in first
+    requeued = nodes.slurm(["scontrol", "requeue", job_id])
+    assert requeued.returncode == 0, requeued.stderr
+    start = time.time()  # SLURM delays a requeued job's start (its begin time); start it at once
+    while nodes.job_state(job_id)[0]["JobState"] != "PENDING" and time.time() - start < 60:
+        time.sleep(0.5)
+    nodes.slurm(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    (task,) = nodes.wait(job_id, timeout=300)
+    second = "".join(p.read_text() for p in (tmp_path / "slurm").glob("*.out"))
+    assert (task["JobState"], task["Restarts"], task["NodeList"]) == ("COMPLETED", "1", "node[0-1]"), \
+        second + nodes.logs()
+    assert f"resumed runs/{marker}/checkpoint.msgpack at iteration {stopped[0]}" in second, second
+    logged = [step for step, _ in scalars(tmp_path / "runs" / marker)["stats/params_checksum"]]
     assert logged == [i * 8 * steps("ppo") for i in range(1, iterations + 1)], logged
