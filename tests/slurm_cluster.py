@@ -46,6 +46,50 @@ def munge_works() -> bool:
                                                       capture_output=True).returncode == 0
 
 
+def start_munge():
+    """munged, unless one already answers: its socket is a file, so one serves every network namespace too."""
+    if munge_works():
+        return
+    Path("/run/munge").mkdir(exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
+    for _ in range(50):
+        if munge_works():
+            return
+        time.sleep(0.1)
+
+
+def job_tasks(scontrol_output: str) -> list:
+    """Fields of `scontrol -o show job` for every task of a job (array tasks included)."""
+    return [dict(field.split("=", 1) for field in line.split() if "=" in field)
+            for line in scontrol_output.splitlines()]
+
+
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
+
+
+def wait_for_job(job_state, job_id: str, timeout: float) -> list:
+    """The job's tasks (job_state(job_id)) once none is active."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        tasks = job_state(job_id)
+        if tasks and all(task["JobState"] not in ACTIVE for task in tasks):
+            return tasks
+        time.sleep(1)
+    raise TimeoutError(f"job {job_id} did not finish in {timeout} s: {job_state(job_id)}")
+
+
+def stop_daemons(daemons: list):
+    for daemon in daemons:
+        daemon.terminate()
+    for daemon in daemons:
+        try:
+            daemon.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+
+
 class SlurmCluster:
     def __init__(self, root: Path):
         self.root = root
@@ -58,14 +102,7 @@ class SlurmCluster:
         if missing:
             raise RuntimeError(f"SLURM is not installed ({', '.join(missing)} missing): "
                                "apt-get install slurm-wlm munge, as .ci/run does")
-        if not munge_works():
-            Path("/run/munge").mkdir(exist_ok=True)
-            shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
-            for _ in range(50):
-                if munge_works():
-                    break
-                time.sleep(0.1)
+        start_munge()
         for directory in ["state", "spool"]:
             (self.root / directory).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname().split(".")[0]
@@ -85,27 +122,12 @@ class SlurmCluster:
     def logs(self) -> str:
         return "\n".join(path.read_text() for path in self.root.glob("*.log"))
 
-    def job_state(self, job_id: str) -> dict:
-        """Fields of `scontrol show job` for every task of the job (array tasks included)."""
-        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True,
-                             text=True).stdout
-        return [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in out.splitlines()]
+    def job_state(self, job_id: str) -> list:
+        return job_tasks(subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True,
+                                        text=True).stdout)
 
     def wait(self, job_id: str, timeout: float) -> list:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            tasks = self.job_state(job_id)
-            if tasks and all(task["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
-                             for task in tasks):
-                return tasks
-            time.sleep(1)
-        raise TimeoutError(f"job {job_id} did not finish in {timeout} s: {self.job_state(job_id)}")
+        return wait_for_job(self.job_state, job_id, timeout)
 
     def stop(self):
-        for daemon in self.daemons:
-            daemon.terminate()
-        for daemon in self.daemons:
-            try:
-                daemon.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+        stop_daemons(self.daemons)

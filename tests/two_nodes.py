@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_cluster import SLURM_CONF, munge_works
+from slurm_cluster import SLURM_CONF, job_tasks, start_munge, stop_daemons, wait_for_job
 
 NODES = ("node0", "node1")
 SUBNET = "10.231.0"
@@ -81,14 +81,7 @@ class TwoNodes:
         if missing:
             raise RuntimeError(f"SLURM is not installed ({', '.join(missing)} missing): "
                                "apt-get install slurm-wlm munge, as .ci/run does")
-        if not munge_works():  # munged's socket is a file: one munged serves every namespace
-            Path("/run/munge").mkdir(exist_ok=True)
-            shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
-            for _ in range(50):
-                if munge_works():
-                    break
-                time.sleep(0.1)
+        start_munge()
         (self.root / "state").mkdir(exist_ok=True)
         conf = SLURM_CONF.format(host=f"node0({address('node0')})", root=self.root, cpus=os.cpu_count(),
                                  ctld_port=6817, d_port=6818)
@@ -118,29 +111,13 @@ class TwoNodes:
         return "\n".join(f"--- {path.name}\n{path.read_text()}" for path in self.root.glob("*.log"))
 
     def job_state(self, job_id: str) -> list:
-        out = self.slurm(["scontrol", "-o", "show", "job", job_id]).stdout
-        return [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in out.splitlines()]
+        return job_tasks(self.slurm(["scontrol", "-o", "show", "job", job_id]).stdout)
 
-    def wait(self, job_id: str, timeout: float, states=("PENDING", "RUNNING", "CONFIGURING", "COMPLETING",
-                                                         "REQUEUED")) -> list:
-        """The job's tasks once none is in `states`."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            tasks = self.job_state(job_id)
-            if tasks and all(task["JobState"] not in states for task in tasks):
-                return tasks
-            time.sleep(1)
-        raise TimeoutError(f"job {job_id} did not leave {states} in {timeout} s: {self.job_state(job_id)}")
+    def wait(self, job_id: str, timeout: float) -> list:
+        return wait_for_job(self.job_state, job_id, timeout)
 
     def stop(self):
-        for daemon in self.daemons:
-            daemon.terminate()
-        for daemon in self.daemons:
-            try:
-                daemon.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_daemons(self.daemons)
         if self.made:
             for node in NODES:  # deleting a namespace deletes its end of the veth pair, and the pair with it
                 subprocess.run(["ip", "netns", "delete", self.namespace(node)], capture_output=True)
