@@ -74,6 +74,7 @@ Ratio lines:
     ours / reference       concurrent SPS (sync SPS without a concurrent phase) over the reference's.
 """
 import importlib.util
+import itertools
 import json
 import os
 import queue
@@ -88,7 +89,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import tyro
@@ -117,9 +118,9 @@ class BenchmarkArgs:
     """iterations each phase runs before measuring (compilation, first resets)"""
     iterations: int = 5
     """iterations (rollouts of num_steps steps of every env) per measurement window"""
-    json: Optional[Path] = None
+    json: Path | None = None
     """where to write all figures (default: benchmark-<script>-<env id>.json in the current directory)"""
-    reference_command: Optional[str] = None
+    reference_command: str | None = None
     """a shell command to compare with (e.g. another implementation); its last printed "SPS <number>" is read"""
     timeout: float = 1800.0
     """seconds one phase may take before it is killed and the benchmark fails"""
@@ -202,7 +203,7 @@ def median(values) -> float:
 
 def window_sps(boundaries: list, steps_per_window: int) -> list:
     """Env steps per second of consecutive windows; boundaries[j] is when window j starts (and j - 1 ends)."""
-    return [steps_per_window / (end - start) for start, end in zip(boundaries[:-1], boundaries[1:])]
+    return [steps_per_window / (end - start) for start, end in itertools.pairwise(boundaries)]
 
 
 def window_boundaries(ends: list, bench: BenchmarkArgs) -> list:
@@ -451,7 +452,7 @@ def training_phase(script: Path, flags: list) -> dict:
     return {}
 
 
-def device_peak_mib() -> Optional[dict]:
+def device_peak_mib() -> dict | None:
     """{device id: peak MiB} where the platform reports memory (GPUs); None on CPU."""
     import jax
 
@@ -647,7 +648,7 @@ def run_reference(command: str, workdir: Path, timeout: float) -> dict:
                 command=command)
 
 
-def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return None if numerator is None or not denominator else numerator / denominator
 
 
@@ -694,7 +695,8 @@ def table(phases: dict, ratios: dict) -> str:
     lines += [f"{label}: {ratios[key]:.2f}" for key, label in labels.items() if key in ratios]
     if "actor" in phases:  # the script's own stats/actor_*_time, median seconds per rollout of one actor thread
         timings = phases["actor"]["actor_timings_s"]
-        lines.append("actor time per rollout (s): " + ", ".join(f"{name} {value:.3f}" for name, value in timings.items())
+        lines.append("actor time per rollout (s): "
+                     + ", ".join(f"{name} {value:.3f}" for name, value in timings.items())
                      + f" (rollout {phases['actor']['rollout_time_s']:.3f})")
     if "learner" in phases:
         memory = phases["learner"]["learner_memory"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import flax.serialization
 
+
 def write_atomically(path: Path, payload: dict):
     """msgpack to a temporary file, fsync, rename: the file at `path` is always a complete one (old or new)."""
     tmp = path.with_name(path.name + ".tmp")

@@ -9,6 +9,7 @@ Efficient Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage
 
     python cleanba/cleanba_impala.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
+import math
 import os
 import queue
 import signal
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from importlib.metadata import version
 from pathlib import Path
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, NamedTuple
 
 
 def add_xla_flags(*flags: str):
@@ -54,9 +55,22 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba.plumbing import (IterationLogger, Stopwatch, check_devices, check_flags, check_memory, default_run_name,
-                              digest, fail, first_replica, flag, host, learner_memory_needs, resumable_flags,
-                              watch_progress)
+from cleanba.plumbing import (
+    IterationLogger,
+    Stopwatch,
+    check_devices,
+    check_flags,
+    check_memory,
+    default_run_name,
+    digest,
+    fail,
+    first_replica,
+    flag,
+    host,
+    learner_memory_needs,
+    resumable_flags,
+    watch_progress,
+)
 
 
 @dataclass
@@ -177,7 +191,7 @@ class Agent(nn.Module):
         return x
 
 
-def make_network(args: "Args", num_actions: int, platform: Optional[str] = None) -> Agent:
+def make_network(args: "Args", num_actions: int, platform: str | None = None) -> Agent:
     """The network from the flags, for training and for evaluating a saved model (used by cleanba/evaluate.py and
     gpu_compile.py): change this function with Agent's signature. Agent maps observations to (logits (batch,
     actions), values (batch,)). platform: where it runs ("cpu", "gpu", ...; default: JAX's default backend)."""
@@ -291,7 +305,7 @@ class Args(Algorithm):
     """sync the TensorBoard logs to Weights and Biases"""
     wandb_project_name: str = flag("cleanba", resumable=True)
     """the wandb project name"""
-    wandb_entity: Optional[str] = flag(None, resumable=True)
+    wandb_entity: str | None = flag(None, resumable=True)
     """the wandb entity (team); None uses your default entity"""
     save_model: bool = flag(False, resumable=True)
     """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model, then evaluate them"""
@@ -301,7 +315,7 @@ class Args(Algorithm):
     """with --save-model: record the evaluation episodes of one env to runs/<run_name>/videos/*.mp4"""
     upload_model: bool = flag(False, resumable=True)
     """with --save-model: upload the model, its evaluation, videos and a model card to the Hugging Face Hub"""
-    hf_repo_id: Optional[str] = flag(None, resumable=True)
+    hf_repo_id: str | None = flag(None, resumable=True)
     """with --upload-model: the Hub repository (default: <your Hub user>/<env_id>-<exp_name>-seed<seed>)"""
     log_frequency: int = flag(10, "[1, inf)", resumable=True)
     """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
@@ -323,17 +337,17 @@ class Args(Algorithm):
     """local device ids that the learner is data-parallel over"""
     distributed: bool = flag(False, resumable=True)
     """call jax.distributed.initialize() first: several processes, e.g. one per node under SLURM"""
-    coordinator_address: Optional[str] = flag(None, resumable=True)
+    coordinator_address: str | None = flag(None, resumable=True)
     """with --distributed outside SLURM: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)"""
-    num_processes: Optional[int] = flag(None, resumable=True)
+    num_processes: int | None = flag(None, resumable=True)
     """with --distributed outside SLURM: the number of processes"""
-    process_id: Optional[int] = flag(None, resumable=True)
+    process_id: int | None = flag(None, resumable=True)
     """with --distributed outside SLURM: the rank of this process, 0 .. num_processes - 1"""
     heartbeat_timeout: int = flag(100, "[1, inf)", resumable=True)
     """with --distributed: seconds after which the others abort when a process has died"""
     stall_timeout: int = flag(0, "[0, inf)", resumable=True)
     """abort when no iteration completes for this many seconds, e.g. a peer process is stuck (0: never)"""
-    run_name: Optional[str] = flag(None, resumable=True)
+    run_name: str | None = flag(None, resumable=True)
     """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
     checkpoint_frequency: int = flag(0, "[0, inf)", resumable=True)
     """save a checkpoint every this many iterations, and when stopped by SIGINT or SIGTERM (0: never)"""
@@ -499,8 +513,8 @@ def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
     invalid, so it adds nothing to any sum, mean or count. Pad ids are negative, congruent to the minibatch class
     they fill (id % classes), and cost at most the padding in learner compute."""
     classes, block = env_blocks(args)
-    blocks_per_device = -(-(-(-len(env_ids) // block)) // num_devices)  # ceil(ceil(envs / block) / devices)
-    width = blocks_per_device * block
+    blocks = math.ceil(len(env_ids) / block)
+    width = math.ceil(blocks / num_devices) * block  # whole blocks, as many on every device
     shards = []
     for start in range(0, width * num_devices, width):
         counts = np.bincount(env_ids[start:start + width] % classes, minlength=classes)
@@ -805,7 +819,7 @@ class Run:
     """What start() sets up for train() and finish(): devices, state, compiled update, queues, threads, logger."""
 
     completed: int  # the last iteration whose update is in `state`
-    model_path: Optional[Path] = None  # set once the trained model is saved
+    model_path: Path | None = None  # set once the trained model is saved
 
 
 def start(args: Args) -> Run:

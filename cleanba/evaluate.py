@@ -21,13 +21,12 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import tyro
 
 from cleanba.checkpoint import load_model
-from cleanba.plumbing import fail
+from cleanba.plumbing import check_hub_login, fail
 
 VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 frames of the 60 Hz game
 
@@ -42,29 +41,20 @@ class Args:
     """envs played in parallel (at most --episodes); each plays its share of the episodes"""
     greedy: bool = False
     """take the most likely action instead of sampling from the policy"""
-    seed: Optional[int] = None
+    seed: int | None = None
     """seed of the evaluation envs and action sampling (default: the run's seed, on envs that training never used)"""
     capture_video: bool = False
     """record the episodes of the first env to MP4 files in --video-dir"""
-    video_dir: Optional[Path] = None
+    video_dir: Path | None = None
     """where videos go (default: a videos/ folder next to the model)"""
-    script: Optional[Path] = None
+    script: Path | None = None
     """the training script that defines the network and env wrappers (default: the one named in the model file)"""
-    log_dir: Optional[Path] = None
+    log_dir: Path | None = None
     """also write eval/episodic_return to TensorBoard event files in this directory"""
     upload_model: bool = False
     """upload the model, its evaluation returns, videos and a model card to the Hugging Face Hub"""
-    hf_repo_id: Optional[str] = None
+    hf_repo_id: str | None = None
     """the Hub repository, e.g. my-name/breakout-cleanba-ppo (default: <your user>/<env_id>-<exp_name>-seed<seed>)"""
-
-
-def check_hub_login():
-    """Called before a long run starts, so that a missing token is not discovered at its end."""
-    from huggingface_hub import get_token
-
-    if get_token() is None:
-        fail("--upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN (a token with write "
-             "access), or leave out --upload-model")
 
 
 def load_script(path: Path):
@@ -75,7 +65,7 @@ def load_script(path: Path):
     return module
 
 
-def script_of(model_path: Path, name: Optional[str], script: Optional[Path]) -> Path:
+def script_of(model_path: Path, name: str | None, script: Path | None) -> Path:
     """--script, or the training script of this checkout named in the model file."""
     if script is not None:
         return script
@@ -147,7 +137,7 @@ def write_video(path: Path, frames: list):
 
 
 def evaluate(module, train_args, params, episodes: int, num_envs: int = 8, greedy: bool = False,
-             seed: Optional[int] = None, video_dir: Optional[Path] = None, interrupted=lambda: False) -> tuple:
+             seed: int | None = None, video_dir: Path | None = None, interrupted=lambda: False) -> tuple:
     """Play `episodes` whole games with the training script's network and wrappers. Returns (returns, lengths,
     video paths); episode i of the result is the i-th to finish. Stops early when interrupted() is true."""
     import envpool
@@ -283,7 +273,7 @@ def default_repo_id(train_args: dict) -> str:
 
 
 def upload(model_path: Path, script_path: Path, train_args: dict, returns: list, lengths: list, videos: list,
-           repo_id: Optional[str]) -> str:
+           repo_id: str | None) -> str:
     from huggingface_hub import HfApi
 
     repo_id = repo_id or default_repo_id(train_args)

@@ -36,10 +36,10 @@ from typing import Literal
 # is reached through a topology below, not through a backend.
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import tyro  # noqa: E402
+import tyro
 
-from cleanba.benchmark import load_script, resolve_script, split_argv  # noqa: E402
-from cleanba.plumbing import fail  # noqa: E402
+from cleanba.benchmark import load_script, resolve_script, split_argv
+from cleanba.plumbing import fail
 
 SPECS = Path(__file__).with_name("gpu_targets")
 # Dense TF32 tensor-core peaks (NVIDIA data sheets): XLA's default precision for float32 convolutions and matmuls
@@ -63,6 +63,13 @@ class CompileArgs:
     """processes (hosts) of the run: 2 for a -d2 layout"""
 
 
+
+def shape_on(sharding, x):
+    """x's shape and dtype, placed on sharding: an argument of a program compiled from shapes."""
+    import jax
+
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
 def ptxas_dir() -> str:
     """The CUDA directory of the nvidia-cuda-nvcc-cu12 wheel (bin/ptxas), which the gpu-compile group installs."""
     import importlib.util
@@ -70,7 +77,7 @@ def ptxas_dir() -> str:
     spec = importlib.util.find_spec("nvidia.cuda_nvcc")
     if spec is None or not spec.submodule_search_locations:
         fail("no ptxas: install the gpu-compile group (`poetry install --with gpu-compile`)")
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 def memory_fraction() -> float:
@@ -99,7 +106,8 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     import envpool
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
 
     from cleanba.plumbing import learner_memory_needs
 
@@ -130,7 +138,7 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     policy = module.make_policy(agent, action_key)
     for i in args.actor_device_ids:
         place = SingleDeviceSharding(local[i])
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place), state.params)
+        params = jax.tree.map(partial(shape_on, place), state.params)
         obs = jax.ShapeDtypeStruct((args.local_num_envs, *space.shape), space.dtype, sharding=place)
         env_ids = jax.ShapeDtypeStruct((args.local_num_envs,), np.int32, sharding=place)
         step = jax.ShapeDtypeStruct((), np.int32, sharding=place)
@@ -155,7 +163,8 @@ def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_
     analysis, and after optimization its cuDNN and cuBLAS calls would count no flops."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     cpu_mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("learner",))
 

@@ -16,7 +16,6 @@ from collections import deque
 from dataclasses import asdict, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Optional
 
 import envpool
 import jax
@@ -40,7 +39,7 @@ def in_range(value: float, interval: str) -> bool:
     return above and below
 
 
-def flag(default, interval: Optional[str] = None, *, resumable: bool = False):
+def flag(default, interval: str | None = None, *, resumable: bool = False):
     """A field of a script's Args with what the engine needs to know of it: the interval of meaningful values of a
     numeric flag ("[low, high)": "[" and "]" include the bound), refused outside it before anything starts; and
     whether a resumed run may change it (it changes where or how a run computes or reports, not what it learns)."""
@@ -71,8 +70,6 @@ def check_flags(args):
         fail("--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
              "(and keep --eval-episodes above 0)")
     if args.upload_model:  # a missing Hub token must not surface only at the end of a long run
-        from cleanba.evaluate import check_hub_login
-
         check_hub_login()
     if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
         fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
@@ -94,6 +91,15 @@ def check_flags(args):
     if args.env_id not in envpool.list_all_envs():
         fail(f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, "
              "CartPole-v1)")
+
+
+def check_hub_login():
+    """Called before a long run starts, so that a missing Hugging Face token is not discovered at its end."""
+    from huggingface_hub import get_token
+
+    if get_token() is None:
+        fail("--upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN (a token with write "
+             "access), or leave out --upload-model")
 
 
 def check_devices(args, num_local_devices: int):
@@ -135,7 +141,7 @@ def host_memory_available() -> tuple:
     return best
 
 
-def device_memory_available(device) -> Optional[tuple]:
+def device_memory_available(device) -> tuple | None:
     """(bytes, where from) the device's allocator may use (an accelerator's limit at XLA_CLIENT_MEM_FRACTION), or
     None where the device reports no memory (XLA:CPU, whose devices share the host's memory)."""
     stats = device.memory_stats()

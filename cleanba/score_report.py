@@ -38,7 +38,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import matplotlib
 
@@ -82,7 +82,7 @@ class Args:
     """a run's score is the mean of --tag over its points in the last this fraction of its env steps"""
     normalization: Literal["hns", "none"] = "hns"
     """hns: (score - random) / (human - random) with the reference scores; none: raw scores"""
-    reference_scores: Optional[Path] = None
+    reference_scores: Path | None = None
     """a CSV with columns env_id,random,human that extends or overrides cleanba/atari_scores.csv"""
     reps: int = 50_000
     """bootstrap replications for the final-score confidence intervals (rliable's default)"""
@@ -246,7 +246,7 @@ def read_reference_file(path: Path) -> pd.DataFrame:
     return table.set_index("env_id")[["random", "human"]]
 
 
-def load_references(extra: Optional[Path]) -> pd.DataFrame:
+def load_references(extra: Path | None) -> pd.DataFrame:
     """The Atari-57 table, with the rows of `extra` added or replacing the Atari ones."""
     references = read_reference_file(ATARI_SCORES)
     if extra is None:
@@ -263,7 +263,7 @@ def check_references(env_ids: set, references: pd.DataFrame):
              f"--normalization none")
 
 
-def normalize(values, env_id: str, references: Optional[pd.DataFrame]):
+def normalize(values, env_id: str, references: pd.DataFrame | None):
     """Human-normalized score (score - random) / (human - random): 0 is random play, 1 is the human tester."""
     if references is None:
         return values
@@ -278,7 +278,7 @@ def final_score(curve: pd.DataFrame, fraction: float) -> float:
     return float(curve.value[curve.step >= last_step - fraction * last_step].mean())
 
 
-def score_table(runs: list, variants: list, args: Args, references: Optional[pd.DataFrame]) -> pd.DataFrame:
+def score_table(runs: list, variants: list, args: Args, references: pd.DataFrame | None) -> pd.DataFrame:
     rows = []
     for run, variant in zip(runs, variants):
         curve, env_id = run.scalars[args.tag], run.hyperparameters["env_id"]
@@ -397,13 +397,13 @@ def markdown_table(aggregates: pd.DataFrame, args: Args) -> str:
 # Curves
 
 
-def overlap_grid(curves: list, points: int) -> Optional[np.ndarray]:
+def overlap_grid(curves: list, points: int) -> np.ndarray | None:
     """A grid over the x range that every (x, y) curve covers, so nothing is extrapolated; None if none."""
     low, high = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
     return np.linspace(low, high, points) if low <= high else None
 
 
-def run_curve(run: Run, tag: str, axis: str, references: Optional[pd.DataFrame]):
+def run_curve(run: Run, tag: str, axis: str, references: pd.DataFrame | None):
     """(x, y): the run's normalized tag against env steps (axis "step") or hours of training (axis "hours")."""
     frame = run.scalars[tag]
     return frame[axis].to_numpy(float), normalize(frame.value.to_numpy(float), run.hyperparameters["env_id"],

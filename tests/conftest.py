@@ -28,7 +28,7 @@ TINY = {
 }
 
 
-def script_env(devices: int = 1, env: dict = None) -> dict:
+def script_env(devices: int = 1, env: dict | None = None) -> dict:
     """The environment of a script run: `devices` forced host CPU devices, appended to the user's XLA_FLAGS."""
     environment = dict(os.environ, **(env or {}))
     flags = environment.get("XLA_FLAGS", "")
@@ -47,7 +47,7 @@ def script_command(script: str, args: list) -> list:
 
 
 def run_script(script: str, args: list, tmp_path: Path, devices: int = 1, timeout: float = 240,
-               env: dict = None) -> subprocess.CompletedProcess:
+               env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a training script in tmp_path and wait for it; returns the finished process."""
     return subprocess.run(script_command(script, args), cwd=tmp_path, env=script_env(devices, env),
                           capture_output=True, text=True, timeout=timeout)

@@ -56,7 +56,7 @@ def test_gae_matches_loop(seed):
 def test_gae_ignores_what_follows_an_episode_end():
     """Changing anything after a termination or truncation (the reset step, the next episode) leaves the
     advantages before it unchanged, up to the bootstrap value of the final obs on truncation."""
-    rewards, values, terminations, truncations, valid = episode_data(3)
+    rewards, values, terminations, truncations, _ = episode_data(3)
     base = np.asarray(compute_gae(values, rewards, terminations, truncations, 0.99, 0.95)[0])
     j = 1
     ends = np.flatnonzero(terminations[:, j] | truncations[:, j])
@@ -94,7 +94,7 @@ def vtrace_loop(values, rewards, terminations, valid, rhos, gamma):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_vtrace_matches_loop(seed):
-    rewards, values, terminations, truncations, valid = episode_data(seed)
+    rewards, values, terminations, _, valid = episode_data(seed)
     rhos = np.exp(np.random.default_rng(seed + 10).normal(scale=0.5, size=rewards.shape)).astype(np.float32)
     output = vtrace_targets(values, rewards, terminations, valid, rhos, 0.99)
     targets, advantages = vtrace_loop(values, rewards, terminations, valid, rhos, 0.99)

@@ -79,7 +79,9 @@ def test_steps_after_a_life_loss_are_invalid(script):
     assert life_lost.sum() >= 4, "too few life losses to check anything"
     # The step after every life loss (and after every game over) is invalid, and no other step is.
     assert np.array_equal(valid, advanced), np.argwhere(valid != advanced)
-    next_step = lambda mask: np.concatenate([np.zeros((1, ENVS), bool), mask[:-1]])
+    def next_step(mask):
+        return np.concatenate([np.zeros((1, ENVS), bool), mask[:-1]])
+
     assert not valid[next_step(life_lost)].any()
     # After a life lost mid-game, EnvPool repeats elapsed_step (so elapsed_step > 0 would call that step valid).
     midgame = next_step(life_lost & (env["terminated"] == 0))

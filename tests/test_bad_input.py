@@ -1,7 +1,6 @@
 """Bad input is refused right after parsing: exit 2, a message naming the flag and the fix, no traceback."""
 
 import pytest
-
 from conftest import run_script
 
 CASES = {

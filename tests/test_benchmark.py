@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, TINY, check_ok, script_env
 
 BENCHMARK = [sys.executable, "-m", "cleanba.benchmark"]

@@ -5,7 +5,6 @@ import subprocess
 import time
 
 import numpy as np
-
 from conftest import LOSS_TAGS, TINY, check_ok, first_losses, run_dir, run_script, scalars, start_pair
 
 ITERATIONS = 4

@@ -6,7 +6,6 @@ import importlib
 import re
 
 import pytest
-
 from conftest import ROOT, SCRIPTS
 
 MARKER = "# ======== ENGINE:"

@@ -5,7 +5,6 @@ import sys
 
 import imageio
 import yaml
-
 from conftest import ROOT, TINY, check_ok, run_dir, run_script, scalars, script_env
 
 EVALUATE = [sys.executable, "-m", "cleanba.evaluate"]

@@ -1,7 +1,8 @@
-"""--exact: the same seed and global sizes train bitwise the same params on every learner layout (issue 16).
+"""--exact: the same seed and global sizes train bitwise the same params on every learner layout.
 
 Each case runs 2 actor threads' worth of envs (2 x 4) on a0-l0, a0-l1,2 and a0-l1,2,3 in one process, as one
-thread of 8 envs, and as two processes of one thread of 4 each (d2), and compares, iteration by iteration, the params checksum, the losses and the
+thread of 8 envs, and as two processes of one thread of 4 each (d2), and compares, iteration by iteration, the
+params checksum, the losses and the
 episode curves, and the final params sha256 of every run.
 
 Every process has the same 4 forced host devices, whatever devices its layout uses: XLA:CPU sizes its thread pool
@@ -14,7 +15,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, check_ok, run_dir, run_script, scalars, script_command, script_env, start_pair
 
 ITERATIONS = 30
@@ -23,7 +23,7 @@ CURVES = ["stats/params_checksum", "losses/loss", "losses/policy_loss", "losses/
           "charts/episodic_return", "charts/episodic_length"]
 SIZES = {  # per (script, env): flags, steps per env per iteration
     # 32 time rows per minibatch: with 8, a fused reduce of the value loss was not yet summed in another order in
-    # one group position (the 128-step README demo logged last-bit differences; fixed with dots, issue 16).
+    # one group position (the 128-step README demo logged last-bit differences before the masked sums became dots).
     ("ppo", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "64", "--num-minibatches", "2",
                               "--update-epochs", "2"], 64),
     ("impala", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2"], 8),

@@ -7,9 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-from flax.traverse_util import flatten_dict
-
 from conftest import LOSS_TAGS, ROOT, TINY, check_ok, first_losses, run_dir, scalars, script_env
+from flax.traverse_util import flatten_dict
 
 ATARI = ["--env-id", "Breakout-v5", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2",
          "--update-epochs", "1", "--log-frequency", "1"]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, check_ok
 
 if importlib.util.find_spec("jax_cuda12_plugin") is None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import tyro
+from conftest import check_ok, script_command, script_env
 
 from cleanba import benchmark
-from conftest import check_ok, script_command, script_env
 
 GIB = 2**30
 
@@ -100,7 +100,8 @@ def test_a_learner_that_cannot_fit_is_refused_before_training(tmp_path):
 
         small = run_limited(prefix, SMALL_ATARI, tmp_path)
         check_ok(small)
-        assert re.search(r"learner memory per device .*needs [\d.]+ [MG]iB of \d\.\d\d GiB \(the memory limit of cgroup",
+        pattern = r"learner memory per device .*needs [\d.]+ [MG]iB of \d\.\d\d GiB \(the memory limit of cgroup"
+        assert re.search(pattern,
                          small.stdout), small.stdout
         skipped = run_limited(prefix, [*SMALL_ATARI, "--no-memory-check", "--run-name", "skipped"], tmp_path)
         check_ok(skipped)

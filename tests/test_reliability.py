@@ -11,7 +11,6 @@ import flax
 import jax
 import numpy as np
 import pytest
-
 from conftest import SCRIPTS, TINY, check_ok, run_dir, run_script, scalars, script_command, script_env, start_pair
 
 # Runs a training script with EnvPool's recv() failing on its 40th call in every actor thread: a real error in
@@ -61,9 +60,9 @@ def stop_and_wait(process, signum, timeout=30) -> str:
     sent = time.time()
     try:
         output = process.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as error:
         process.kill()
-        raise AssertionError(f"still running {timeout} s after signal {signum}")
+        raise AssertionError(f"still running {timeout} s after signal {signum}") from error
     assert time.time() - sent < timeout
     return output
 
@@ -134,7 +133,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(module.os, "fsync", broken_fsync)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="disk full"):
         module.write_atomically(path, {"iteration": 2, "data": np.arange(1000) * 2})
     payload = flax.serialization.msgpack_restore(path.read_bytes())
     assert payload["iteration"] == 1 and np.array_equal(payload["data"], np.arange(1000))

@@ -8,11 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.stats
+from conftest import ROOT
 from matplotlib.image import imread
 from tensorboardX import SummaryWriter
 
 from cleanba import compare_layouts, score_report
-from conftest import ROOT
 
 TAG = "charts/episodic_return"
 STEPS = range(1000, 11000, 1000)  # 10 logged points; with --final-fraction 0.25 the score is the mean of the last 3

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, SCRIPTS, TINY, run_dir, scalars, script_env
 from slurm_cluster import SlurmCluster
 

@@ -15,7 +15,6 @@ import time
 
 import flax.serialization
 import pytest
-
 from conftest import ROOT, SCRIPTS, TINY, check_ok, run_dir, run_script, scalars, script_command, script_env
 from two_nodes import NODES, TwoNodes
 
@@ -202,7 +201,8 @@ def task_pids(marker: str) -> dict:
     found = {}
     for pid in subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split():
         try:
-            environ = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\0") if "=" in item)
+            items = open(f"/proc/{pid}/environ").read().split("\0")
+            environ = dict(item.split("=", 1) for item in items if "=" in item)
             cmdline = open(f"/proc/{pid}/cmdline").read()
         except OSError:
             continue

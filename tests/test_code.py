@@ -1,0 +1,44 @@
+"""Code habits: ruff's lint rules (pyproject.toml) pass, and no module under cleanba/ imports another that imports it
+back, directly or through others (imports inside functions count too)."""
+import ast
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_ruff_lint_passes():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def cleanba_imports(path) -> set:
+    """The cleanba modules a file imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "cleanba":
+                found |= {alias.name for alias in node.names}
+            elif node.module.startswith("cleanba."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("cleanba.")}
+    return found
+
+
+def test_no_import_cycle_between_cleanba_modules():
+    graph = {path.stem: cleanba_imports(path) for path in (ROOT / "cleanba").glob("*.py")}
+
+    def cycle_from(module, path):
+        for imported in sorted(graph.get(module, ())):
+            if imported in path:
+                return [*path[path.index(imported):], imported]
+            found = cycle_from(imported, [*path, imported])
+            if found:
+                return found
+        return None
+
+    for module in sorted(graph):
+        cycle = cycle_from(module, [module])
+        assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
