@@ -5,7 +5,7 @@ GAE, the PPO loss, the minibatch schedule, the optimizer. Below it, the engine: 
 sharding, the group sums behind --exact and gradient accumulation, the update wrapper and main. The engine is the
 same, byte for byte, in cleanba_impala.py (tests/test_engine.py): `diff` of the two scripts shows only the algorithm,
 and a fork edits the top. Design and protocol: Huang et al., "Cleanba: A Reproducible and Efficient Distributed
-Reinforcement Learning Platform" (arXiv 2310.00036). Usage and metric glossary: README.md.
+Reinforcement Learning Platform" (arXiv 2310.00036). Usage: README.md and docs/.
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
@@ -37,7 +37,7 @@ if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
     os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", "0.6")
 # XLA:CPU computes the weight gradients of convolutions 5-30x slower than the convolutions themselves (860 ms vs
 # 30 ms for a 3x3 conv on 64x42x42x32); routing reductions through YNNPACK brings them to the forward's cost and
-# more than halves the CPU time of an Atari update (README "Performance"). The flag is experimental and XLA aborts
+# more than halves the CPU time of an Atari update (docs/performance.md). The flag is experimental and XLA aborts
 # on flags it does not know, so it is only added for the jaxlib it was checked with.
 if version("jaxlib").startswith("0.10."):
     add_xla_flags("--xla_cpu_experimental_ynn_fusion_type=reduce")
@@ -131,7 +131,7 @@ def minibatch_classes(args: "Args") -> int:
 
 def conv_and_pool(channels: int, xla_cpu: bool):
     """The ResNet's 3x3 convolution and its 3x3, stride-2 max pool. On XLA:CPU those of cleanba/xla_cpu.py: the same
-    values and gradients, and fast inside the learner's loops (README "Performance"); elsewhere flax's."""
+    values and gradients, and fast inside the learner's loops (docs/performance.md); elsewhere flax's."""
     if not xla_cpu:
         return nn.Conv(channels, (3, 3)), partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
     from cleanba import xla_cpu
@@ -229,7 +229,7 @@ def ppo_loss(agent: Agent, args: "Args", params, batch: dict, count):
     v_loss = 0.5 * (values - batch["returns"]) ** 2
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
-    # Forking: add a new loss term here, per sample (README "Fork a script"): it is then masked and summed like the
+    # Forking: add a new loss term here, per sample (docs/forking.md): it is then masked and summed like the
     # rest, the same on any layout. A scalar added to the returned loss would count once per learner device and
     # micro-batch, whose gradients are summed. A new entry of `metrics` is logged as losses/<name>.
     # Sums over this device's valid samples divided by the global count: after the sum of the gradients over all
@@ -760,7 +760,7 @@ def learner_update(agent, args: Args, shuffle_key, state: TrainState, rollouts: 
 def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
     """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices.
     Loops (minibatches, groups, micro-batches) are rolled on every platform, so that memory is reused from one step
-    to the next: the learner needs about one micro-batch step's memory (README "Memory").
+    to the next: the learner needs about one micro-batch step's memory (docs/gpu.md).
     Forking: `args` is read once, when the update is traced; a value that changes during training must be an input
     (the learning rate is one: optax.inject_hyperparams keeps it in state.opt_state), not a field changed on args."""
     return jax.jit(jax.shard_map(

@@ -8,7 +8,7 @@ Writes one PNG, one panel per tag (900 x 300 pixels each at 100 dpi): both runs 
 by their layout (a<actor ids>-l<learner ids>-d<processes>). For each tag it prints, and puts in the panel's
 title, the largest absolute difference |a - b| and the largest relative difference |a - b| / max(|a|, |b|)
 over the steps both runs logged, then whether the runs are bitwise identical: every tag equal at every common
-step, stats/params_checksum included (runs with --exact, README "Reproducibility").
+step, stats/params_checksum included (runs with --exact, docs/reproducibility.md).
 """
 import sys
 from dataclasses import dataclass, field

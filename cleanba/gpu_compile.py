@@ -21,7 +21,7 @@ and the learner's compute bound in env steps per second at the target's dense TF
 
 Not covered: no autotuning runs without a GPU (cuDNN algorithms and their workspaces, Triton tilings are XLA's
 defaults), so the real temporaries can be higher; the measured peak on an H100 was about 1.4x XLA's figure for
-the default PPO update (README "GPU"). Needs the CUDA plugin and ptxas from PyPI:
+the default PPO update (docs/gpu.md). Needs the CUDA plugin and ptxas from PyPI:
 `poetry install --with gpu-compile`. Exit status: 0 when every GPU fits, 1 when one does not, 2 on bad input.
 """
 import os

@@ -3,7 +3,7 @@ changes what it learns or how data moves between actors and learner.
 
 - refusing bad flags before anything starts (the scripts add their own algorithm's checks);
 - run names, checksums of params, the stall watchdog;
-- where an actor's rollout time goes (Stopwatch) and what the learner logs (IterationLogger, README "Metrics").
+- where an actor's rollout time goes (Stopwatch) and what the learner logs (IterationLogger, docs/metrics.md).
 
 A fork changes the algorithm in its own file and rarely needs to read this one.
 """
