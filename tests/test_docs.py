@@ -9,7 +9,6 @@ import sys
 from dataclasses import fields
 
 import pytest
-
 from conftest import ROOT, script_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -1,4 +1,4 @@
-"""The README's "Fork a script" edits, kept as patches under tests/forks/: each is applied to a copy of
+"""The edits of docs/forking.md, kept as patches under tests/forks/: each is applied to a copy of
 cleanba_ppo.py, which then trains a few iterations on two layouts. The new metric is logged and the layouts
 learn the same thing, so the guide cannot go stale and its edits keep layout invariance."""
 import shutil
@@ -26,7 +26,7 @@ def forked_script(patch: str, directory) -> str:
     shutil.copy(ROOT / "cleanba" / "cleanba_ppo.py", directory / "cleanba" / "cleanba_ppo.py")
     result = subprocess.run(["git", "apply", str(ROOT / "tests" / "forks" / f"{patch}.patch")], cwd=directory,
                             capture_output=True, text=True)
-    assert result.returncode == 0, f"the README's {patch} edit no longer applies: {result.stderr}"
+    assert result.returncode == 0, f"docs/forking.md's {patch} edit no longer applies: {result.stderr}"
     return str(directory / "cleanba" / "cleanba_ppo.py")
 
 
