@@ -34,6 +34,16 @@ the peak host memory of each is measured alone (ru_maxrss of the child, from os.
     concurrent  the training script itself with --concurrency: they overlap, the actor one policy behind.
     reference   optional (--reference-command): any command, run in a shell in the current directory; its
                 figure is the last "SPS <number>" it printed, its wall time and peak memory are reported too.
+    layers      only when asked for (--phases layers): where the learner's compute goes. Every convolution of
+                the script's network (each nn.Conv call, found while tracing its forward pass) timed alone on the
+                first learner device at the learner's micro-batch (minibatch / gradient accumulation steps /
+                learner devices, or --layer-batch): forward, input gradient (dx) and weight gradient (dk), each
+                in ms and GFLOP/s; then the whole network's forward and gradient at that batch, the share of the
+                gradient the convolutions account for, and a large float32 matmul's GFLOP/s on the same device as
+                the practical peak to read them against. The first convolution's dx is left out of the sums: its
+                input is the observation, and the learner never computes it. Last, one learner update (as in
+                the learner phase) under JAX's profiler: the share of its time in each kind of XLA operation that
+                the trace names (layout transposes, pooling, ...; XLA:CPU's Eigen convolutions mostly go unnamed).
 
 An iteration is one rollout of num_steps steps of every env: batch_size env steps. Every phase runs
 --warmup-iterations iterations first, which are not measured (compilation, first env resets), then --repeats
@@ -94,7 +104,8 @@ from typing import Literal
 import numpy as np
 import tyro
 
-PHASES = ("ceiling", "actor", "learner", "sync", "concurrent")
+PHASES = ("ceiling", "actor", "learner", "layers", "sync", "concurrent")
+THROUGHPUT_PHASES = ["ceiling", "actor", "learner", "sync", "concurrent"]  # the default: all but the layer profile
 SCRIPTS = {"ppo": Path(__file__).with_name("cleanba_ppo.py"), "impala": Path(__file__).with_name("cleanba_impala.py")}
 # What the benchmark calls in a training script; a fork must keep these names and signatures.
 SCRIPT_FUNCTIONS = ("Args", "check_args", "check_devices", "fill_runtime_sizes", "make_env", "env_kwargs", "Agent",
@@ -109,9 +120,9 @@ CHILD_FLAG = "--phase-child"  # internal: `--phase-child PHASE RESULT_FILE` runs
 class BenchmarkArgs:
     script: str = "ppo"
     """ppo, impala, or the path of a training script with the same functions (a fork)"""
-    phases: list[Literal["ceiling", "actor", "learner", "sync", "concurrent"]] = field(
-        default_factory=lambda: list(PHASES))
-    """the phases to run (always in the order ceiling, actor, learner, sync, concurrent)"""
+    phases: list[Literal["ceiling", "actor", "learner", "layers", "sync", "concurrent"]] = field(
+        default_factory=lambda: list(THROUGHPUT_PHASES))
+    """the phases to run (always in the order ceiling, actor, learner, layers, sync, concurrent)"""
     repeats: int = 3
     """measurement windows per phase; every figure is the median over them"""
     warmup_iterations: int = 2
@@ -124,6 +135,8 @@ class BenchmarkArgs:
     """a shell command to compare with (e.g. another implementation); its last printed "SPS <number>" is read"""
     timeout: float = 1800.0
     """seconds one phase may take before it is killed and the benchmark fails"""
+    layer_batch: int | None = None
+    """the batch of the layers phase (default: the learner's micro-batch per device)"""
 
 
 def fail(message: str):
@@ -148,6 +161,8 @@ def parse_benchmark_args(argv: list) -> BenchmarkArgs:
             fail(f"--{name.replace('_', '-')}={getattr(bench, name)} must be positive")
     if bench.timeout <= 0:
         fail(f"--timeout={bench.timeout} must be positive")
+    if bench.layer_batch is not None and bench.layer_batch <= 0:
+        fail(f"--layer-batch={bench.layer_batch} must be positive")
     if not bench.phases and not bench.reference_command:
         fail("--phases is empty and there is no --reference-command: nothing to measure")
     return bench
@@ -305,7 +320,7 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
 
     model = build_model(module, args)
     params = module.first_replica(model["state"].params)  # where main() hands params over
-    policy = module.make_policy(model["agent"], model["action_key"])
+    policy = module.make_policy(args, model["agent"], model["action_key"])
     slots = thread_slots(args)
     param_queues = [queue.Queue(maxsize=1) for _ in slots]
     rollout_queues = [queue.Queue(maxsize=1) for _ in slots]
@@ -444,6 +459,135 @@ def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
                 updates_per_s=1 / update_time, compile_s=ends[0] - start - update_time, learner_memory=memory)
 
 
+def timed(function, *args, repeats: int) -> float:
+    """Median seconds of `repeats` calls of a jitted function, after one call that compiles it."""
+    import jax
+
+    jax.block_until_ready(function(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def network_convolutions(agent, params, obs) -> list:
+    """(path, nn.Conv module, input shape) of every convolution the network applies to obs, in call order: the
+    calls are intercepted while the forward pass is traced for shapes only (nothing runs)."""
+    import flax.linen as nn
+    import jax
+
+    found = []
+
+    def record(call, args, kwargs, context):
+        conv = context.module
+        if isinstance(conv, nn.Conv) and context.method_name == "__call__":
+            found.append(("/".join(conv.scope.path), conv.clone(parent=None), args[0].shape))
+        return call(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(agent.apply, params, obs)
+    return found
+
+
+def conv_timings(conv, input_shape: tuple, repeats: int) -> dict:
+    """Forward, input gradient and weight gradient (kernel and bias) of one convolution, alone, in seconds."""
+    import jax
+
+    x = jax.random.normal(jax.random.PRNGKey(0), input_shape)
+    params = conv.init(jax.random.PRNGKey(1), x)
+    y = conv.apply(params, x)
+    dy = jax.random.normal(jax.random.PRNGKey(2), y.shape)
+    forward = jax.jit(conv.apply)
+    dx = jax.jit(lambda params, x, dy: jax.vjp(lambda x: conv.apply(params, x), x)[1](dy)[0])
+    dk = jax.jit(lambda params, x, dy: jax.vjp(lambda params: conv.apply(params, x), params)[1](dy)[0])
+    kernel = params["params"]["kernel"]  # (kh, kw, in / groups, out): each output takes kh x kw x in MACs
+    flops = 2 * y.size * int(np.prod(kernel.shape[:3]))
+    return dict(output_shape=list(y.shape), gflop=flops / 1e9, forward_s=timed(forward, params, x, repeats=repeats),
+                dx_s=timed(dx, params, x, dy, repeats=repeats), dk_s=timed(dk, params, x, dy, repeats=repeats))
+
+
+def layers_phase(module, args, bench: BenchmarkArgs) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    model = build_model(module, args)
+    devices = len(model["learner_devices"]) * args.world_size
+    batch = bench.layer_batch or max(1, args.minibatch_size // (args.gradient_accumulation_steps * devices))
+    space = model["spec"].observation_space
+    agent, params = model["agent"], module.first_replica(model["state"]).params
+    repeats = bench.repeats * bench.iterations
+    with jax.default_device(model["learner_devices"][0]):
+        obs = jax.ShapeDtypeStruct((batch, *space.shape), space.dtype)
+        groups = {}  # convolutions of the same shape are timed once: (kind, input shape) -> [paths, module]
+        for path, conv, input_shape in network_convolutions(agent, params, obs):
+            kind = (conv.features, tuple(conv.kernel_size), tuple(input_shape))
+            groups.setdefault(kind, [[], conv])[0].append(path)
+        layers = []
+        for index, ((_, _, input_shape), (paths, conv)) in enumerate(groups.items()):
+            timings = conv_timings(conv, input_shape, repeats)
+            if index == 0 and len(paths) == 1:
+                timings["dx_s"] = None  # the observation's gradient: the learner never computes it
+            layers.append(dict(paths=paths, count=len(paths), input_shape=list(input_shape), **timings))
+        rng = np.random.default_rng(args.seed)
+        if np.issubdtype(space.dtype, np.integer):
+            observations = jnp.asarray(rng.integers(0, 256, size=obs.shape).astype(space.dtype))
+        else:
+            observations = jnp.asarray(rng.standard_normal(obs.shape).astype(space.dtype))
+
+        def loss(params, observations):
+            return sum(jnp.sum(jnp.square(output)) for output in jax.tree.leaves(agent.apply(params, observations)))
+
+        forward_s = timed(jax.jit(agent.apply), params, observations, repeats=repeats)
+        gradient_s = timed(jax.jit(jax.grad(loss)), params, observations, repeats=repeats)
+        size = 2048
+        matrix = jax.random.normal(jax.random.PRNGKey(3), (size, size))
+        matmul_s = timed(jax.jit(jnp.dot), matrix, matrix, repeats=repeats)
+    return dict(batch=batch, platform=model["learner_devices"][0].platform, layers=layers,
+                network_forward_s=forward_s, network_gradient_s=gradient_s, matmul_gflops=2 * size**3 / matmul_s / 1e9,
+                **traced_update(module, args, model))
+
+
+def traced_update(module, args, model) -> dict:
+    """One learner update (synthetic rollouts, as in the learner phase) under JAX's profiler: the update's wall time
+    and the time of the XLA operations the trace names, summed by kind (the fusion's name without its number:
+    transpose_copy_fusion, ...). XLA:CPU names each operation it runs in the trace only with the flag
+    --xla_cpu_enable_xprof_traceme=true, which the benchmark adds to this phase's XLA_FLAGS; convolutions that
+    Eigen runs on its own threads mostly appear under no name."""
+    import gzip
+    import re
+
+    import jax
+
+    rng = np.random.default_rng(args.seed)
+    rollouts = tuple(module.put_on_learners(args, synthetic_rollout(module, args, model["spec"], thread_index, rng),
+                                            model["mesh"], model["learner_devices"]) for _, thread_index in
+                     thread_slots(args))
+    update = compile_learner(module, args, model, rollouts)[0]
+    state = model["state"]
+    state, _ = update(state, rollouts)  # the first call allocates what later ones reuse
+    jax.block_until_ready(state)
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory, create_perfetto_trace=True):
+            start = time.perf_counter()
+            jax.block_until_ready(update(state, rollouts))
+            update_s = time.perf_counter() - start
+        trace = json.loads(gzip.open(next(Path(directory).rglob("*.trace.json.gz"))).read())
+    kinds = {}
+    for event in trace["traceEvents"] if isinstance(trace, dict) else trace:
+        name = event.get("name", "")
+        if event.get("ph") == "X" and ("fusion" in name or name.split(".")[0] in XLA_OPERATIONS):
+            kind = re.sub(r"\.\d+$", "", name)
+            kinds[kind] = kinds.get(kind, 0.0) + event["dur"] / 1e6
+    return dict(traced_update_s=update_s, traced_operations_s=dict(sorted(kinds.items(), key=lambda kv: -kv[1])))
+
+
+# Unfused XLA operations that the trace names as they are (fusions all have "fusion" in their name).
+XLA_OPERATIONS = ("convolution", "conv_general_dilated", "dot", "dot_general", "copy", "transpose", "all-reduce",
+                  "reduce", "while", "scatter", "gather", "sort")
+
+
 def training_phase(script: Path, flags: list) -> dict:
     """The script run as `python script flags` would run it, in this process (so that its devices can be read)."""
     sys.argv = [str(script), *flags]
@@ -490,7 +634,8 @@ def child_main(phase: str, result_path: Path, argv: list):
     else:
         module = load_script(script)
         args = parse_script_args(module, flags, total_iterations(bench))
-        phase_function = {"plan": plan, "ceiling": ceiling_phase, "actor": actor_phase, "learner": learner_phase}
+        phase_function = {"plan": plan, "ceiling": ceiling_phase, "actor": actor_phase, "learner": learner_phase,
+                          "layers": layers_phase}
         result = phase_function[phase](module, args, bench)
     stop_sampling.set()
     samples.append((time.time(), time.process_time()))
@@ -521,12 +666,17 @@ def kill_group(pid: int):
         pass
 
 
-def run_measured(command, cwd: Path, log_path: Path, timeout: float, shell: bool = False) -> tuple:
+def run_measured(command, cwd: Path, log_path: Path, timeout: float, shell: bool = False,
+                 xla_flags: list = ()) -> tuple:
     """Runs a command in its own process group, output to log_path; returns (exit status, wall s, peak RSS MiB).
-    os.wait4 gives the child's ru_maxrss, which includes the descendants it waited for (e.g. a shell's command)."""
+    os.wait4 gives the child's ru_maxrss, which includes the descendants it waited for (e.g. a shell's command).
+    xla_flags: appended to the command's XLA_FLAGS."""
+    env = child_env()
+    if xla_flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    shell=shell, start_new_session=True)
     timer = threading.Timer(timeout, kill_group, (process.pid,))
     timer.start()
@@ -573,7 +723,9 @@ def run_phase(phase: str, own: list, script: Path, flags: list, workdir: Path, t
     directory.mkdir()
     result_path = directory / "result.json"
     command = child_command(phase, result_path, own, script, flags)
-    status, wall, rss = run_measured(command, directory, directory / "output.log", timeout)
+    # The layers phase's trace names XLA:CPU's operations only with this flag (read when JAX starts its backend).
+    trace_flag = ["--xla_cpu_enable_xprof_traceme=true"] if phase == "layers" else []
+    status, wall, rss = run_measured(command, directory, directory / "output.log", timeout, xla_flags=trace_flag)
     if status != 0:
         report_failure(f"phase {phase}", status, directory / "output.log", timeout)
     return dict(json.loads(result_path.read_text()), peak_rss_mib=rss, wall_s=wall)
@@ -653,7 +805,7 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def derived_ratios(phases: dict) -> dict:
-    sps = {name: figures["sps"] for name, figures in phases.items()}
+    sps = {name: figures["sps"] for name, figures in phases.items() if "sps" in figures}
     get = sps.get
     ratios = {f"{name}_over_ceiling": ratio(value, get("ceiling")) for name, value in sps.items() if name != "ceiling"}
     ratios["concurrent_over_sync"] = ratio(get("concurrent"), get("sync"))
@@ -682,6 +834,8 @@ def table(phases: dict, ratios: dict) -> str:
              f"{'cores':>7}{'host MiB':>10}{'device MiB':>12}"
     lines = [header, "-" * len(header)]
     for name, figures in phases.items():
+        if name == "layers":
+            continue
         lines.append(f"{name:<11}{cell(figures['sps'], 0):>10}{cell(ratios.get(f'{name}_over_ceiling')):>11}"
                      f"{cell(figures.get('compile_s')):>11}{cell(figures.get('learner_wait_s'), 4):>16}"
                      f"{cell(figures.get('actor_wait_s'), 4):>14}{cell(figures.get('cores'), 1):>7}"
@@ -704,6 +858,53 @@ def table(phases: dict, ratios: dict) -> str:
                      f"update temp {memory['update_temp_mib']:,.0f} MiB, one minibatch step temp "
                      f"{memory['minibatch_step_temp_mib']:,.0f} MiB (x{memory['update_over_minibatch_step']:.2f}), "
                      f"update arguments {memory['update_argument_mib']:,.0f} MiB")
+    if "layers" in phases:
+        lines.append(layers_table(phases["layers"]))
+    return "\n".join(lines)
+
+
+def layers_label(paths: list) -> str:
+    """One name for convolutions of one shape: their common path with * where they differ."""
+    by_depth = {}
+    for path in paths:
+        by_depth.setdefault(path.count("/"), []).append(path.split("/"))
+    return " + ".join("/".join(names[0] if len(set(names)) == 1 else names[0].rsplit("_", 1)[0] + "_*"
+                               for names in zip(*parts)) for parts in by_depth.values())
+
+
+def layers_table(figures: dict) -> str:
+    """The layers phase: a row per convolution shape (ms and GFLOP/s of forward, dx, dk), then the network."""
+    def pair(seconds, gflop):
+        return f"{'-':>9}{'-':>7}" if seconds is None else f"{seconds * 1e3:>9.1f}{gflop / seconds:>7.0f}"
+
+    def shape(dims):
+        return "x".join(map(str, dims[1:]))
+
+    width = max([len("convolution")] + [len(layers_label(layer["paths"])) + 2 for layer in figures["layers"]])
+    header = f"{'convolution':<{width}}{'count':>6}{'in -> out':>24}{'fwd ms':>9}{'GF/s':>7}{'dx ms':>9}{'GF/s':>7}" \
+             f"{'dk ms':>9}{'GF/s':>7}"
+    lines = [f"layers at batch {figures['batch']} on {figures['platform']} (each timed alone; ms per call, the "
+             f"matmul reference reaches {figures['matmul_gflops']:,.0f} GFLOP/s)", header, "-" * len(header)]
+    totals = dict(forward_s=0.0, dx_s=0.0, dk_s=0.0)
+    gflop = 0.0
+    for layer in figures["layers"]:
+        lines.append(f"{layers_label(layer['paths']):<{width}}{layer['count']:>6}"
+                     f"{shape(layer['input_shape']) + ' -> ' + shape(layer['output_shape']):>24}"
+                     + "".join(pair(layer[key], layer["gflop"]) for key in totals))
+        for key in totals:
+            totals[key] += layer["count"] * (layer[key] or 0.0)
+        gflop += layer["count"] * layer["gflop"] * (3 if layer["dx_s"] is not None else 2)
+    convolutions = sum(totals.values())
+    gradient = figures["network_gradient_s"]
+    lines.append(f"convolutions in all: forward {totals['forward_s'] * 1e3:.0f} ms, dx {totals['dx_s'] * 1e3:.0f} ms, "
+                 f"dk {totals['dk_s'] * 1e3:.0f} ms; the network: forward {figures['network_forward_s'] * 1e3:.0f} "
+                 f"ms, gradient {gradient * 1e3:.0f} ms ({gflop / gradient:.0f} GFLOP/s of convolution flops), of "
+                 f"which the convolutions alone would take {convolutions / gradient:.0%}")
+    update_s = figures["traced_update_s"]
+    top = list(figures["traced_operations_s"].items())[:8]
+    named = sum(figures["traced_operations_s"].values())
+    lines.append(f"one learner update under the profiler: {update_s:.2f} s, of which XLA operations the trace names "
+                 f"{named / update_s:.0%}: " + ", ".join(f"{kind} {t / update_s:.0%}" for kind, t in top))
     return "\n".join(lines)
 
 
@@ -734,8 +935,9 @@ def main(argv: list):
         if phase in phases:
             phases[phase].update(training_figures(workdir / phase / "runs" / phase, sizes, bench))
     for figures in phases.values():
-        if "cpu_samples" in figures:
+        if "window_bounds" in figures:
             figures.update(busy_cores(figures))
+        figures.pop("cpu_samples", None)  # the layers phase has no windows
     shutil.rmtree(workdir)
     ratios = derived_ratios(phases)
     print(table(phases, ratios), flush=True)

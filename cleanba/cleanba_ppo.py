@@ -499,10 +499,12 @@ def queue_put(q: queue.Queue, item, stop: Stop):
                 raise StopTraining from None
 
 
-def make_policy(agent, action_key, chunk: int = 0):
-    """The actor's jitted policy step: (params, obs, global env ids, step) -> (actions, logprobs). chunk (with --exact:
-    --group-envs): the network runs on that many envs at a time, each chunk on its own (optimization barriers), so
-    that an env's logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
+def make_policy(args: Args, agent, action_key):
+    """The actor's jitted policy step: (params, obs, global env ids, step) -> (actions, logprobs). With --exact the
+    network runs on --group-envs envs at a time, each chunk on its own (optimization barriers), so that an env's
+    logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
+    chunk = args.group_envs if args.exact else 0
+
     def chunked_logits(params, obs):
         pad = -obs.shape[0] % chunk
         padded = jnp.concatenate([obs, jnp.zeros((pad, *obs.shape[1:]), obs.dtype)]) if pad else obs
@@ -930,7 +932,7 @@ def start(args: Args) -> Run:
             print(f"exact: sums over groups of {args.group_envs} envs in a fixed order, the same bits on every learner "
                   f"layout {splits}; XLA_FLAGS: {os.environ['XLA_FLAGS']}", flush=True)
 
-    policy = make_policy(agent, action_key, args.group_envs if args.exact else 0)
+    policy = make_policy(args, agent, action_key)
     run.process_gather = make_process_gather(mesh, run.local_learner_devices)
     run.param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
     run.rollout_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]

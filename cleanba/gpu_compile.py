@@ -135,7 +135,7 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     learner = learner_memory_needs(compiled.memory_analysis(), queued)
 
     actor_seconds, actors = 0.0, {}
-    policy = module.make_policy(agent, action_key)
+    policy = module.make_policy(args, agent, action_key)
     for i in args.actor_device_ids:
         place = SingleDeviceSharding(local[i])
         params = jax.tree.map(partial(shape_on, place), state.params)

@@ -31,7 +31,7 @@ def actor_rollouts(script: str, protocol: str, iterations: int):
     stop = module.Stop()
     thread = threading.Thread(target=module.run_thread, daemon=True, args=(
         module.rollout_actor, stop, args, 1, 0, device, mesh, [device],
-        module.make_policy(agent, action_key), param_queue, rollout_queue))
+        module.make_policy(args, agent, action_key), param_queue, rollout_queue))
     thread.start()
     rollouts = []
     try:

@@ -95,10 +95,54 @@ def test_actor_and_learner_on_separate_devices(tmp_path):
     assert report["ratios"] == {}  # every ratio needs a phase that did not run
 
 
+def test_layers_phase_profiles_every_convolution(tmp_path):
+    """--phases layers on a small IMPALA ResNet: every convolution found (3 sequences x 5), timed at the learner's
+    micro-batch, grouped by shape, its flops counted from its shapes; no input gradient for the first one."""
+    atari = ["--env-id", "Breakout-v5", "--channels", "4", "8", "8", "--hidden-dim", "16", "--num-steps", "8",
+             "--num-minibatches", "2", "--gradient-accumulation-steps", "2", *SIZES]
+    process = benchmark([*QUICK, "--phases", "layers", "--json", "figures.json", "--", *atari], tmp_path)
+    check_ok(process)
+    report = json.loads((tmp_path / "figures.json").read_text())
+    figures = report["phases"]["layers"]
+    assert list(report["phases"]) == ["layers"] and report["ratios"] == {}
+    assert figures["batch"] == 4 * 8 // 2 // 2  # a minibatch of 16 samples in 2 micro-batches
+    layers = figures["layers"]
+    paths = [path for layer in layers for path in layer["paths"]]
+    assert len(paths) == len(set(paths)) == 15 and sum(layer["count"] for layer in layers) == 15
+    first = layers[0]
+    assert first["paths"] == ["ConvSequence_0/Conv_0"] and first["input_shape"] == [8, 84, 84, 4]
+    assert first["output_shape"] == [8, 84, 84, 4] and first["dx_s"] is None
+    assert first["gflop"] == pytest.approx(2 * 8 * 84 * 84 * 4 * 3 * 3 * 4 / 1e9)
+    for layer in layers:
+        assert layer["count"] == len(layer["paths"]) and layer["gflop"] > 0, layer
+        assert all(layer[key] > 0 for key in ["forward_s", "dk_s"] + ["dx_s"] * (layer is not first)), layer
+    # (input, output) channels and sizes: the pool halves the image after each sequence's first convolution.
+    shapes = [(layer["input_shape"][1:], layer["output_shape"][-1], layer["count"]) for layer in layers]
+    assert shapes == [([84, 84, 4], 4, 1), ([42, 42, 4], 4, 4), ([42, 42, 4], 8, 1), ([21, 21, 8], 8, 5),
+                      ([11, 11, 8], 8, 4)]
+    assert figures["network_gradient_s"] > figures["network_forward_s"] > 0 and figures["matmul_gflops"] > 0
+    # The traced learner update: XLA:CPU named its operations (the benchmark added the trace flag to this phase).
+    operations = figures["traced_operations_s"]
+    assert figures["traced_update_s"] > 0 and any("fusion" in kind for kind in operations), figures
+    cores = report["cpu_cores_available"]  # operations on several threads at once: at most one per core
+    assert 0 < sum(operations.values()) <= 1.25 * cores * figures["traced_update_s"], figures
+    table = process.stdout[process.stdout.index("layers at batch 8 on cpu"):]
+    assert "ConvSequence_0/ResidualBlock_*/Conv_*" in table and "convolutions in all" in table, process.stdout
+    assert "one learner update under the profiler" in table, process.stdout
+
+    # A network without convolutions (CartPole's MLP) has no rows but the network's figures; --layer-batch sets it.
+    process = benchmark([*QUICK, "--phases", "layers", "--layer-batch", "5", "--json", "mlp.json", "--",
+                         *TINY["ppo"], *SIZES], tmp_path)
+    check_ok(process)
+    figures = json.loads((tmp_path / "mlp.json").read_text())["phases"]["layers"]
+    assert figures["batch"] == 5 and figures["layers"] == [] and figures["network_gradient_s"] > 0
+
+
 BAD_INPUT = {
     "unknown script": (["--script", "no_such_script.py"], "no_such_script.py is not a file"),
     "not a training script": (["--script", "not_cleanba.py"], "has no Args"),
     "no iterations": (["--iterations", "0"], "--iterations=0 must be positive"),
+    "no layer batch": (["--phases", "layers", "--layer-batch", "0"], "--layer-batch=0 must be positive"),
     "refused by the script": (["--", "--env-id", "CartPole-v1", "--local-num-envs", "0"], "--local-num-envs=0"),
 }
 

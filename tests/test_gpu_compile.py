@@ -34,6 +34,10 @@ def gpu_compile(target: str, script: str, flags: list, processes: int = 1) -> tu
     return process, rows
 
 
+def actor_gib(stdout: str, gpu: int) -> float:
+    return float(re.search(rf"^\s*{gpu}\s+\S+\s+[\d.]+\s+([\d.]+)\s", stdout, re.M).group(1))
+
+
 def temporaries(stdout: str) -> float:
     return float(re.search(r"learner per device: temporaries ([\d.]+) GiB", stdout).group(1))
 
@@ -60,7 +64,7 @@ def test_default_sizes_compile_for_a100_on_every_headline_layout(script):
 
 def test_h100_memory_levers():
     """H100 on a0-l0: PPO fits, with 4 accumulation steps it needs clearly less, and --exact (deterministic GPU ops)
-    compiles and fits too."""
+    compiles and fits too, its policy the one the run uses: --group-envs (8) envs at a time, not the thread's 64."""
     base, rows = gpu_compile("h100", "ppo", LAYOUTS["a0-l0"])
     check_ok(base)
     accumulated, accumulated_rows = gpu_compile("h100", "ppo", [*LAYOUTS["a0-l0"], "--gradient-accumulation-steps",
@@ -73,6 +77,7 @@ def test_h100_memory_levers():
     assert rows[0][2] and accumulated_rows[0][2] and exact_rows[0][2]
     assert temporaries(accumulated.stdout) < 0.5 * temporaries(base.stdout)
     assert "--xla_gpu_deterministic_ops=true" in exact.stdout
+    assert actor_gib(exact.stdout, 0) < 0.5 * actor_gib(base.stdout, 0), (base.stdout, exact.stdout)
 
 
 def test_unknown_target_and_impossible_layout_are_refused():
