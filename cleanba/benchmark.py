@@ -83,6 +83,7 @@ Ratio lines:
                            gains over taking turns: at most 1 + (faster side's time per iteration / slower side's).
     ours / reference       concurrent SPS (sync SPS without a concurrent phase) over the reference's.
 """
+
 import importlib.util
 import itertools
 import json
@@ -108,10 +109,30 @@ PHASES = ("ceiling", "actor", "learner", "layers", "sync", "concurrent")
 THROUGHPUT_PHASES = ["ceiling", "actor", "learner", "sync", "concurrent"]  # the default: all but the layer profile
 SCRIPTS = {"ppo": Path(__file__).with_name("cleanba_ppo.py"), "impala": Path(__file__).with_name("cleanba_impala.py")}
 # What the benchmark calls in a training script; a fork must keep these names and signatures.
-SCRIPT_FUNCTIONS = ("Args", "check_args", "check_devices", "fill_runtime_sizes", "make_env", "env_kwargs", "Agent",
-                    "make_policy", "rollout_actor", "put_on_learners", "make_learner_update", "make_optimizer",
-                    "Rollout", "first_replica", "queue_get", "queue_put", "run_thread", "StopTraining",
-                    "learner_shards", "update_minibatch", "rollout_fields", "learner_rollout_shapes")
+SCRIPT_FUNCTIONS = (
+    "Args",
+    "check_args",
+    "check_devices",
+    "fill_runtime_sizes",
+    "make_env",
+    "env_kwargs",
+    "Agent",
+    "make_policy",
+    "rollout_actor",
+    "put_on_learners",
+    "make_learner_update",
+    "make_optimizer",
+    "Rollout",
+    "first_replica",
+    "queue_get",
+    "queue_put",
+    "run_thread",
+    "StopTraining",
+    "learner_shards",
+    "update_minibatch",
+    "rollout_fields",
+    "learner_rollout_shapes",
+)
 SPS_PATTERN = re.compile(r"SPS[^0-9]*([0-9][0-9,]*\.?[0-9]*)")
 CHILD_FLAG = "--phase-child"  # internal: `--phase-child PHASE RESULT_FILE` runs one phase in this process
 
@@ -121,7 +142,8 @@ class BenchmarkArgs:
     script: str = "ppo"
     """ppo, impala, or the path of a training script with the same functions (a fork)"""
     phases: list[Literal["ceiling", "actor", "learner", "layers", "sync", "concurrent"]] = field(
-        default_factory=lambda: list(THROUGHPUT_PHASES))
+        default_factory=lambda: list(THROUGHPUT_PHASES)
+    )
     """the phases to run (always in the order ceiling, actor, learner, layers, sync, concurrent)"""
     repeats: int = 3
     """measurement windows per phase; every figure is the median over them"""
@@ -149,7 +171,7 @@ def split_argv(argv: list) -> tuple:
     """The benchmark's own flags, and the training script's (everything after the first `--`)."""
     if "--" in argv:
         cut = argv.index("--")
-        return argv[:cut], argv[cut + 1:]
+        return argv[:cut], argv[cut + 1 :]
     return argv, []
 
 
@@ -184,8 +206,10 @@ def load_script(path: Path):
     spec.loader.exec_module(module)
     missing = [name for name in SCRIPT_FUNCTIONS if not hasattr(module, name)]
     if missing:
-        fail(f"--script {path}: it has no {', '.join(missing)}; the benchmark needs a Cleanba training script "
-             f"(a fork of cleanba/cleanba_ppo.py or cleanba_impala.py that keeps these names)")
+        fail(
+            f"--script {path}: it has no {', '.join(missing)}; the benchmark needs a Cleanba training script "
+            f"(a fork of cleanba/cleanba_ppo.py or cleanba_impala.py that keeps these names)"
+        )
     return module
 
 
@@ -198,8 +222,10 @@ def parse_script_args(module, flags: list, iterations: int):
     args = tyro.cli(module.Args, args=flags, prog=f"{Path(module.__file__).name} (after --)")
     module.check_args(args)
     if args.distributed or args.resume:
-        fail("--distributed and --resume do not apply: the benchmark measures one process from scratch (run it on "
-             "one node with that node's layout)")
+        fail(
+            "--distributed and --resume do not apply: the benchmark measures one process from scratch (run it on "
+            "one node with that node's layout)"
+        )
     args.total_timesteps = sys.maxsize  # only to learn batch_size
     module.fill_runtime_sizes(args, 1, 0)
     args.total_timesteps = args.batch_size * iterations
@@ -208,8 +234,10 @@ def parse_script_args(module, flags: list, iterations: int):
 
 
 def layout(args) -> str:
-    return (f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}, "
-            f"{args.num_actor_threads} actor thread(s) per actor device x {args.local_num_envs} envs")
+    return (
+        f"a{','.join(map(str, args.actor_device_ids))}-l{','.join(map(str, args.learner_device_ids))}, "
+        f"{args.num_actor_threads} actor thread(s) per actor device x {args.local_num_envs} envs"
+    )
 
 
 def median(values) -> float:
@@ -233,12 +261,16 @@ def window_boundaries(ends: list, bench: BenchmarkArgs) -> list:
 
 def thread_slots(args) -> list:
     """(device index, thread_index) of every actor thread, numbered as main() numbers them (one process)."""
-    return [(d, d * args.num_actor_threads + t)
-            for d in range(len(args.actor_device_ids)) for t in range(args.num_actor_threads)]
+    return [
+        (d, d * args.num_actor_threads + t)
+        for d in range(len(args.actor_device_ids))
+        for t in range(args.num_actor_threads)
+    ]
 
 
-def random_actor(module, args, thread_index: int, bench: BenchmarkArgs, barrier: threading.Barrier,
-                 stop: threading.Event):
+def random_actor(
+    module, args, thread_index: int, bench: BenchmarkArgs, barrier: threading.Barrier, stop: threading.Event
+):
     """Steps one pool like an actor thread does (send, then recv), with random actions instead of a policy."""
     first_env = thread_index * args.local_num_envs
     envs = module.make_env(args, args.local_num_envs, seed=args.seed + first_env)  # the actor's seeds
@@ -279,9 +311,15 @@ def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
     starts = []  # barrier j releases when every thread has finished window j - 1
     barrier = threading.Barrier(len(thread_slots(args)), action=lambda: starts.append(time.time()))
     stop = module.Stop()
-    threads = [threading.Thread(target=module.run_thread, daemon=True, name=f"env-{thread_index}",
-                                args=(random_actor, stop, module, args, thread_index, bench, barrier))
-               for _, thread_index in thread_slots(args)]
+    threads = [
+        threading.Thread(
+            target=module.run_thread,
+            daemon=True,
+            name=f"env-{thread_index}",
+            args=(random_actor, stop, module, args, thread_index, bench, barrier),
+        )
+        for _, thread_index in thread_slots(args)
+    ]
     for thread in threads:
         thread.start()
     join_all(threads)
@@ -302,9 +340,16 @@ def build_model(module, args):
     learner_devices = [local_devices[i] for i in args.learner_device_ids]
     mesh = Mesh(np.array(learner_devices), ("learner",))
     agent, state, action_key, shuffle_key = module.make_agent(args, mesh)
-    return dict(actor_devices=[local_devices[i] for i in args.actor_device_ids], learner_devices=learner_devices,
-                mesh=mesh, spec=envpool.make_spec(args.env_id, **module.env_kwargs(args)), agent=agent, state=state,
-                action_key=action_key, shuffle_key=shuffle_key)
+    return dict(
+        actor_devices=[local_devices[i] for i in args.actor_device_ids],
+        learner_devices=learner_devices,
+        mesh=mesh,
+        spec=envpool.make_spec(args.env_id, **module.env_kwargs(args)),
+        agent=agent,
+        state=state,
+        action_key=action_key,
+        shuffle_key=shuffle_key,
+    )
 
 
 def feed_params(module, param_queue, params, stop):
@@ -326,12 +371,34 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     rollout_queues = [queue.Queue(maxsize=1) for _ in slots]
     stop, threads = module.Stop(), []
     for slot, (d, thread_index) in enumerate(slots):
-        threads.append(threading.Thread(
-            target=module.run_thread, daemon=True, name=f"actor-{thread_index}",
-            args=(module.rollout_actor, stop, args, 1, thread_index, model["actor_devices"][d],
-                  model["mesh"], model["learner_devices"], policy, param_queues[slot], rollout_queues[slot])))
-        threads.append(threading.Thread(target=module.run_thread, daemon=True, name=f"feeder-{thread_index}",
-                                        args=(feed_params, stop, module, param_queues[slot], params)))
+        threads.append(
+            threading.Thread(
+                target=module.run_thread,
+                daemon=True,
+                name=f"actor-{thread_index}",
+                args=(
+                    module.rollout_actor,
+                    stop,
+                    args,
+                    1,
+                    thread_index,
+                    model["actor_devices"][d],
+                    model["mesh"],
+                    model["learner_devices"],
+                    policy,
+                    param_queues[slot],
+                    rollout_queues[slot],
+                ),
+            )
+        )
+        threads.append(
+            threading.Thread(
+                target=module.run_thread,
+                daemon=True,
+                name=f"feeder-{thread_index}",
+                args=(feed_params, stop, module, param_queues[slot], params),
+            )
+        )
     ends, rollout_times, timings = [], [], []
     try:
         for thread in threads:
@@ -351,11 +418,16 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
         raise stop.errors[0]
     bounds = window_boundaries(ends, bench)
     windows = window_sps(bounds, args.batch_size * bench.iterations)
-    rollout_time = median(rollout_times[bench.warmup_iterations:])
-    measured = timings[bench.warmup_iterations:]
-    return dict(sps=median(windows), window_sps=windows, window_bounds=bounds, rollout_time_s=rollout_time,
-                compile_s=rollout_times[0] - rollout_time,
-                actor_timings_s={name: median([t[name] for t in measured]) for name in measured[0]})
+    rollout_time = median(rollout_times[bench.warmup_iterations :])
+    measured = timings[bench.warmup_iterations :]
+    return dict(
+        sps=median(windows),
+        window_sps=windows,
+        window_bounds=bounds,
+        rollout_time_s=rollout_time,
+        compile_s=rollout_times[0] - rollout_time,
+        actor_timings_s={name: median([t[name] for t in measured]) for name in measured[0]},
+    )
 
 
 def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Generator):
@@ -369,11 +441,15 @@ def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Gene
     num_actions = spec.action_space.n
     first_env = thread_index * args.local_num_envs  # as rollout_actor numbers its envs
     return module.Rollout(
-        obs=obs, actions=rng.integers(num_actions, size=(T, n)).astype(np.int32),
+        obs=obs,
+        actions=rng.integers(num_actions, size=(T, n)).astype(np.int32),
         logprobs=np.full((T, n), -np.log(num_actions), np.float32) + rng.normal(0, 0.1, (T, n)).astype(np.float32),
         rewards=rng.choice(np.array([-1, 0, 1], np.float32), size=(T, n), p=[0.05, 0.9, 0.05]),
-        terminations=rng.random((T, n)) < 0.01, truncations=rng.random((T, n)) < 0.001,
-        valid=np.ones((T, n), bool), env_ids=np.arange(first_env, first_env + n, dtype=np.int32)[None])
+        terminations=rng.random((T, n)) < 0.01,
+        truncations=rng.random((T, n)) < 0.001,
+        valid=np.ones((T, n), bool),
+        env_ids=np.arange(first_env, first_env + n, dtype=np.int32)[None],
+    )
 
 
 def rollout_structs(module, args, model) -> tuple:
@@ -411,21 +487,31 @@ def compile_learner(module, args, model, rollouts: tuple):
     sharding = jax.sharding.NamedSharding(model["mesh"], P("learner"))
     batch, columns, keys = jax.tree.map(
         lambda sd: jax.ShapeDtypeStruct((sd[0][0] * model["mesh"].size, *sd[0][1:]), sd[1], sharding=sharding),
-        shapes, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple))
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple),
+    )
 
     def minibatch_step(state, batch, columns, keys):
         return original(model["agent"], args, state, batch, groups._replace(columns=columns, keys=keys))
 
-    step = jax.jit(jax.shard_map(minibatch_step, mesh=model["mesh"], in_specs=(P(), P("learner"), P("learner"),
-                                                                               P("learner")),
-                                 out_specs=(P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            minibatch_step,
+            mesh=model["mesh"],
+            in_specs=(P(), P("learner"), P("learner"), P("learner")),
+            out_specs=(P(), P()),
+            check_vma=False,
+        )
+    )
     step_analysis = step.lower(model["state"], batch, columns, keys).compile().memory_analysis()
     analysis = compiled.memory_analysis()
     mib = 1 / 2**20
-    memory = dict(update_temp_mib=analysis.temp_size_in_bytes * mib,
-                  update_argument_mib=analysis.argument_size_in_bytes * mib,
-                  update_output_mib=analysis.output_size_in_bytes * mib,
-                  minibatch_step_temp_mib=step_analysis.temp_size_in_bytes * mib)
+    memory = dict(
+        update_temp_mib=analysis.temp_size_in_bytes * mib,
+        update_argument_mib=analysis.argument_size_in_bytes * mib,
+        update_output_mib=analysis.output_size_in_bytes * mib,
+        minibatch_step_temp_mib=step_analysis.temp_size_in_bytes * mib,
+    )
     memory["update_over_minibatch_step"] = memory["update_temp_mib"] / memory["minibatch_step_temp_mib"]
     return compiled, memory
 
@@ -443,8 +529,15 @@ def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
     state = model["state"]
     slots = thread_slots(args)
     rng = np.random.default_rng(args.seed)
-    rollouts = tuple(module.put_on_learners(args, synthetic_rollout(module, args, model["spec"], thread_index, rng),
-                                            model["mesh"], model["learner_devices"]) for _, thread_index in slots)
+    rollouts = tuple(
+        module.put_on_learners(
+            args,
+            synthetic_rollout(module, args, model["spec"], thread_index, rng),
+            model["mesh"],
+            model["learner_devices"],
+        )
+        for _, thread_index in slots
+    )
     start = time.time()
     learner_update, memory = compile_learner(module, args, model, rollouts)
     ends = []
@@ -455,8 +548,15 @@ def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
     bounds = window_boundaries(ends, bench)
     windows = window_sps(bounds, args.batch_size * bench.iterations)
     update_time = args.batch_size / median(windows)
-    return dict(sps=median(windows), window_sps=windows, window_bounds=bounds, update_time_s=update_time,
-                updates_per_s=1 / update_time, compile_s=ends[0] - start - update_time, learner_memory=memory)
+    return dict(
+        sps=median(windows),
+        window_sps=windows,
+        window_bounds=bounds,
+        update_time_s=update_time,
+        updates_per_s=1 / update_time,
+        compile_s=ends[0] - start - update_time,
+        learner_memory=memory,
+    )
 
 
 def timed(function, *args, repeats: int) -> float:
@@ -504,8 +604,13 @@ def conv_timings(conv, input_shape: tuple, repeats: int) -> dict:
     dk = jax.jit(lambda params, x, dy: jax.vjp(lambda params: conv.apply(params, x), params)[1](dy)[0])
     kernel = params["params"]["kernel"]  # (kh, kw, in / groups, out): each output takes kh x kw x in MACs
     flops = 2 * y.size * int(np.prod(kernel.shape[:3]))
-    return dict(output_shape=list(y.shape), gflop=flops / 1e9, forward_s=timed(forward, params, x, repeats=repeats),
-                dx_s=timed(dx, params, x, dy, repeats=repeats), dk_s=timed(dk, params, x, dy, repeats=repeats))
+    return dict(
+        output_shape=list(y.shape),
+        gflop=flops / 1e9,
+        forward_s=timed(forward, params, x, repeats=repeats),
+        dx_s=timed(dx, params, x, dy, repeats=repeats),
+        dk_s=timed(dk, params, x, dy, repeats=repeats),
+    )
 
 
 def layers_phase(module, args, bench: BenchmarkArgs) -> dict:
@@ -544,9 +649,15 @@ def layers_phase(module, args, bench: BenchmarkArgs) -> dict:
         size = 2048
         matrix = jax.random.normal(jax.random.PRNGKey(3), (size, size))
         matmul_s = timed(jax.jit(jnp.dot), matrix, matrix, repeats=repeats)
-    return dict(batch=batch, platform=model["learner_devices"][0].platform, layers=layers,
-                network_forward_s=forward_s, network_gradient_s=gradient_s, matmul_gflops=2 * size**3 / matmul_s / 1e9,
-                **traced_update(module, args, model))
+    return dict(
+        batch=batch,
+        platform=model["learner_devices"][0].platform,
+        layers=layers,
+        network_forward_s=forward_s,
+        network_gradient_s=gradient_s,
+        matmul_gflops=2 * size**3 / matmul_s / 1e9,
+        **traced_update(module, args, model),
+    )
 
 
 def traced_update(module, args, model) -> dict:
@@ -561,9 +672,15 @@ def traced_update(module, args, model) -> dict:
     import jax
 
     rng = np.random.default_rng(args.seed)
-    rollouts = tuple(module.put_on_learners(args, synthetic_rollout(module, args, model["spec"], thread_index, rng),
-                                            model["mesh"], model["learner_devices"]) for _, thread_index in
-                     thread_slots(args))
+    rollouts = tuple(
+        module.put_on_learners(
+            args,
+            synthetic_rollout(module, args, model["spec"], thread_index, rng),
+            model["mesh"],
+            model["learner_devices"],
+        )
+        for _, thread_index in thread_slots(args)
+    )
     update = compile_learner(module, args, model, rollouts)[0]
     state = model["state"]
     state, _ = update(state, rollouts)  # the first call allocates what later ones reuse
@@ -584,8 +701,20 @@ def traced_update(module, args, model) -> dict:
 
 
 # Unfused XLA operations that the trace names as they are (fusions all have "fusion" in their name).
-XLA_OPERATIONS = ("convolution", "conv_general_dilated", "dot", "dot_general", "copy", "transpose", "all-reduce",
-                  "reduce", "while", "scatter", "gather", "sort")
+XLA_OPERATIONS = (
+    "convolution",
+    "conv_general_dilated",
+    "dot",
+    "dot_general",
+    "copy",
+    "transpose",
+    "all-reduce",
+    "reduce",
+    "while",
+    "scatter",
+    "gather",
+    "sort",
+)
 
 
 def training_phase(script: Path, flags: list) -> dict:
@@ -610,9 +739,16 @@ def device_peak_mib() -> dict | None:
 
 def plan(module, args, bench: BenchmarkArgs) -> dict:
     """The checked and sized settings, for the parent (which imports neither JAX nor the script)."""
-    return dict(env_id=args.env_id, layout=layout(args), batch_size=args.batch_size, num_envs=args.num_envs,
-                num_steps=args.num_steps, num_iterations=args.num_iterations, total_timesteps=args.total_timesteps,
-                script_args=json.loads(json.dumps(asdict(args), default=str)))
+    return dict(
+        env_id=args.env_id,
+        layout=layout(args),
+        batch_size=args.batch_size,
+        num_envs=args.num_envs,
+        num_steps=args.num_steps,
+        num_iterations=args.num_iterations,
+        total_timesteps=args.total_timesteps,
+        script_args=json.loads(json.dumps(asdict(args), default=str)),
+    )
 
 
 def sample_cpu(samples: list, stop: threading.Event):
@@ -634,8 +770,13 @@ def child_main(phase: str, result_path: Path, argv: list):
     else:
         module = load_script(script)
         args = parse_script_args(module, flags, total_iterations(bench))
-        phase_function = {"plan": plan, "ceiling": ceiling_phase, "actor": actor_phase, "learner": learner_phase,
-                          "layers": layers_phase}
+        phase_function = {
+            "plan": plan,
+            "ceiling": ceiling_phase,
+            "actor": actor_phase,
+            "learner": learner_phase,
+            "layers": layers_phase,
+        }
         result = phase_function[phase](module, args, bench)
     stop_sampling.set()
     samples.append((time.time(), time.process_time()))
@@ -666,8 +807,9 @@ def kill_group(pid: int):
         pass
 
 
-def run_measured(command, cwd: Path, log_path: Path, timeout: float, shell: bool = False,
-                 xla_flags: list = ()) -> tuple:
+def run_measured(
+    command, cwd: Path, log_path: Path, timeout: float, shell: bool = False, xla_flags: list = ()
+) -> tuple:
     """Runs a command in its own process group, output to log_path; returns (exit status, wall s, peak RSS MiB).
     os.wait4 gives the child's ru_maxrss, which includes the descendants it waited for (e.g. a shell's command).
     xla_flags: appended to the command's XLA_FLAGS."""
@@ -676,8 +818,9 @@ def run_measured(command, cwd: Path, log_path: Path, timeout: float, shell: bool
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   shell=shell, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, shell=shell, start_new_session=True
+        )
     timer = threading.Timer(timeout, kill_group, (process.pid,))
     timer.start()
     try:
@@ -704,8 +847,19 @@ def report_failure(what: str, status: int, log_path: Path, timeout: float):
 
 def child_command(phase: str, result_path: Path, own: list, script: Path, flags: list) -> list:
     # The script's absolute path last (tyro keeps the last value): children run in other directories.
-    return [sys.executable, "-m", "cleanba.benchmark", CHILD_FLAG, phase, str(result_path), *own, "--script",
-            str(script), "--", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "cleanba.benchmark",
+        CHILD_FLAG,
+        phase,
+        str(result_path),
+        *own,
+        "--script",
+        str(script),
+        "--",
+        *flags,
+    ]
 
 
 def plan_run(own: list, script: Path, flags: list, workdir: Path) -> dict:
@@ -735,8 +889,14 @@ def training_flags(flags: list, phase: str, sizes: dict) -> list:
     """The user's flags, then the benchmark's (tyro keeps the last value of a repeated flag)."""
     # stats/ are logged every iteration whatever --log-frequency is; the user's (default) frequency keeps the
     # console line and the metric transfers at the cost a real run pays.
-    return [*flags, "--concurrency" if phase == "concurrent" else "--no-concurrency",
-            "--total-timesteps", str(sizes["total_timesteps"]), "--run-name", phase]
+    return [
+        *flags,
+        "--concurrency" if phase == "concurrent" else "--no-concurrency",
+        "--total-timesteps",
+        str(sizes["total_timesteps"]),
+        "--run-name",
+        phase,
+    ]
 
 
 def read_stats(run_dir: Path, batch_size: int) -> dict:
@@ -750,7 +910,7 @@ def read_stats(run_dir: Path, batch_size: int) -> dict:
         if tag.startswith("stats/"):
             events = sorted(accumulator.Scalars(tag), key=lambda e: e.step)
             assert [e.step for e in events] == [batch_size * (i + 1) for i in range(len(events))], tag
-            stats[tag[len("stats/"):]] = ([e.wall_time for e in events], np.array([e.value for e in events]))
+            stats[tag[len("stats/") :]] = ([e.wall_time for e in events], np.array([e.value for e in events]))
     return stats
 
 
@@ -768,14 +928,19 @@ def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
 
     update_time = measured_median("learner_update_time")
     rollout_time = measured_median("actor_rollout_time")
-    return dict(sps=median(windows), window_sps=windows, window_bounds=bounds,
-                compile_s=float(update_times[0]) - update_time,
-                actor_compile_s=float(stats["actor_rollout_time"][1][0]) - rollout_time,
-                learner_update_time_s=update_time, actor_rollout_time_s=rollout_time,
-                learner_wait_s=measured_median("rollout_queue_wait"),
-                actor_wait_s=measured_median("param_queue_wait", "actor_rollout_queue_wait"),
-                actor_param_wait_s=measured_median("param_queue_wait"),
-                actor_rollout_queue_wait_s=measured_median("actor_rollout_queue_wait"))
+    return dict(
+        sps=median(windows),
+        window_sps=windows,
+        window_bounds=bounds,
+        compile_s=float(update_times[0]) - update_time,
+        actor_compile_s=float(stats["actor_rollout_time"][1][0]) - rollout_time,
+        learner_update_time_s=update_time,
+        actor_rollout_time_s=rollout_time,
+        learner_wait_s=measured_median("rollout_queue_wait"),
+        actor_wait_s=measured_median("param_queue_wait", "actor_rollout_queue_wait"),
+        actor_param_wait_s=measured_median("param_queue_wait"),
+        actor_rollout_queue_wait_s=measured_median("actor_rollout_queue_wait"),
+    )
 
 
 def busy_cores(figures: dict) -> dict:
@@ -796,8 +961,7 @@ def run_reference(command: str, workdir: Path, timeout: float) -> dict:
     figures = SPS_PATTERN.findall(log_path.read_text(errors="replace"))
     if not figures:
         sys.exit(f"benchmark: --reference-command printed no 'SPS <number>'; its output is in {log_path}")
-    return dict(sps=float(figures[-1].rstrip(",").replace(",", "")), wall_s=wall, peak_rss_mib=rss,
-                command=command)
+    return dict(sps=float(figures[-1].rstrip(",").replace(",", "")), wall_s=wall, peak_rss_mib=rss, command=command)
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -830,34 +994,44 @@ def device_cell(peaks) -> str:
 
 
 def table(phases: dict, ratios: dict) -> str:
-    header = f"{'phase':<11}{'SPS':>10}{'/ ceiling':>11}{'compile s':>11}{'learner wait s':>16}{'actor wait s':>14}" \
-             f"{'cores':>7}{'host MiB':>10}{'device MiB':>12}"
+    header = (
+        f"{'phase':<11}{'SPS':>10}{'/ ceiling':>11}{'compile s':>11}{'learner wait s':>16}{'actor wait s':>14}"
+        f"{'cores':>7}{'host MiB':>10}{'device MiB':>12}"
+    )
     lines = [header, "-" * len(header)]
     for name, figures in phases.items():
         if name == "layers":
             continue
-        lines.append(f"{name:<11}{cell(figures['sps'], 0):>10}{cell(ratios.get(f'{name}_over_ceiling')):>11}"
-                     f"{cell(figures.get('compile_s')):>11}{cell(figures.get('learner_wait_s'), 4):>16}"
-                     f"{cell(figures.get('actor_wait_s'), 4):>14}{cell(figures.get('cores'), 1):>7}"
-                     f"{cell(figures['peak_rss_mib'], 0):>10}"
-                     f"{device_cell(figures.get('device_peak_mib')):>12}")
-    labels = {"concurrent_over_sync": "concurrent / sync",
-              "overlap_efficiency": "overlap efficiency (concurrent / min(actor, learner))",
-              "sync_efficiency": "sync efficiency (sync / (1 / (1/actor + 1/learner)))",
-              "concurrent_over_serial": "concurrent / serial bound (concurrent / (1 / (1/actor + 1/learner)))",
-              "ours_over_reference": "ours / reference"}
+        lines.append(
+            f"{name:<11}{cell(figures['sps'], 0):>10}{cell(ratios.get(f'{name}_over_ceiling')):>11}"
+            f"{cell(figures.get('compile_s')):>11}{cell(figures.get('learner_wait_s'), 4):>16}"
+            f"{cell(figures.get('actor_wait_s'), 4):>14}{cell(figures.get('cores'), 1):>7}"
+            f"{cell(figures['peak_rss_mib'], 0):>10}"
+            f"{device_cell(figures.get('device_peak_mib')):>12}"
+        )
+    labels = {
+        "concurrent_over_sync": "concurrent / sync",
+        "overlap_efficiency": "overlap efficiency (concurrent / min(actor, learner))",
+        "sync_efficiency": "sync efficiency (sync / (1 / (1/actor + 1/learner)))",
+        "concurrent_over_serial": "concurrent / serial bound (concurrent / (1 / (1/actor + 1/learner)))",
+        "ours_over_reference": "ours / reference",
+    }
     lines += [f"{label}: {ratios[key]:.2f}" for key, label in labels.items() if key in ratios]
     if "actor" in phases:  # the script's own stats/actor_*_time, median seconds per rollout of one actor thread
         timings = phases["actor"]["actor_timings_s"]
-        lines.append("actor time per rollout (s): "
-                     + ", ".join(f"{name} {value:.3f}" for name, value in timings.items())
-                     + f" (rollout {phases['actor']['rollout_time_s']:.3f})")
+        lines.append(
+            "actor time per rollout (s): "
+            + ", ".join(f"{name} {value:.3f}" for name, value in timings.items())
+            + f" (rollout {phases['actor']['rollout_time_s']:.3f})"
+        )
     if "learner" in phases:
         memory = phases["learner"]["learner_memory"]
-        lines.append("learner device memory (XLA's analysis): "
-                     f"update temp {memory['update_temp_mib']:,.0f} MiB, one minibatch step temp "
-                     f"{memory['minibatch_step_temp_mib']:,.0f} MiB (x{memory['update_over_minibatch_step']:.2f}), "
-                     f"update arguments {memory['update_argument_mib']:,.0f} MiB")
+        lines.append(
+            "learner device memory (XLA's analysis): "
+            f"update temp {memory['update_temp_mib']:,.0f} MiB, one minibatch step temp "
+            f"{memory['minibatch_step_temp_mib']:,.0f} MiB (x{memory['update_over_minibatch_step']:.2f}), "
+            f"update arguments {memory['update_argument_mib']:,.0f} MiB"
+        )
     if "layers" in phases:
         lines.append(layers_table(phases["layers"]))
     return "\n".join(lines)
@@ -868,12 +1042,15 @@ def layers_label(paths: list) -> str:
     by_depth = {}
     for path in paths:
         by_depth.setdefault(path.count("/"), []).append(path.split("/"))
-    return " + ".join("/".join(names[0] if len(set(names)) == 1 else names[0].rsplit("_", 1)[0] + "_*"
-                               for names in zip(*parts)) for parts in by_depth.values())
+    return " + ".join(
+        "/".join(names[0] if len(set(names)) == 1 else names[0].rsplit("_", 1)[0] + "_*" for names in zip(*parts))
+        for parts in by_depth.values()
+    )
 
 
 def layers_table(figures: dict) -> str:
     """The layers phase: a row per convolution shape (ms and GFLOP/s of forward, dx, dk), then the network."""
+
     def pair(seconds, gflop):
         return f"{'-':>9}{'-':>7}" if seconds is None else f"{seconds * 1e3:>9.1f}{gflop / seconds:>7.0f}"
 
@@ -881,30 +1058,42 @@ def layers_table(figures: dict) -> str:
         return "x".join(map(str, dims[1:]))
 
     width = max([len("convolution")] + [len(layers_label(layer["paths"])) + 2 for layer in figures["layers"]])
-    header = f"{'convolution':<{width}}{'count':>6}{'in -> out':>24}{'fwd ms':>9}{'GF/s':>7}{'dx ms':>9}{'GF/s':>7}" \
-             f"{'dk ms':>9}{'GF/s':>7}"
-    lines = [f"layers at batch {figures['batch']} on {figures['platform']} (each timed alone; ms per call, the "
-             f"matmul reference reaches {figures['matmul_gflops']:,.0f} GFLOP/s)", header, "-" * len(header)]
+    header = (
+        f"{'convolution':<{width}}{'count':>6}{'in -> out':>24}{'fwd ms':>9}{'GF/s':>7}{'dx ms':>9}{'GF/s':>7}"
+        f"{'dk ms':>9}{'GF/s':>7}"
+    )
+    lines = [
+        f"layers at batch {figures['batch']} on {figures['platform']} (each timed alone; ms per call, the "
+        f"matmul reference reaches {figures['matmul_gflops']:,.0f} GFLOP/s)",
+        header,
+        "-" * len(header),
+    ]
     totals = dict(forward_s=0.0, dx_s=0.0, dk_s=0.0)
     gflop = 0.0
     for layer in figures["layers"]:
-        lines.append(f"{layers_label(layer['paths']):<{width}}{layer['count']:>6}"
-                     f"{shape(layer['input_shape']) + ' -> ' + shape(layer['output_shape']):>24}"
-                     + "".join(pair(layer[key], layer["gflop"]) for key in totals))
+        lines.append(
+            f"{layers_label(layer['paths']):<{width}}{layer['count']:>6}"
+            f"{shape(layer['input_shape']) + ' -> ' + shape(layer['output_shape']):>24}"
+            + "".join(pair(layer[key], layer["gflop"]) for key in totals)
+        )
         for key in totals:
             totals[key] += layer["count"] * (layer[key] or 0.0)
         gflop += layer["count"] * layer["gflop"] * (3 if layer["dx_s"] is not None else 2)
     convolutions = sum(totals.values())
     gradient = figures["network_gradient_s"]
-    lines.append(f"convolutions in all: forward {totals['forward_s'] * 1e3:.0f} ms, dx {totals['dx_s'] * 1e3:.0f} ms, "
-                 f"dk {totals['dk_s'] * 1e3:.0f} ms; the network: forward {figures['network_forward_s'] * 1e3:.0f} "
-                 f"ms, gradient {gradient * 1e3:.0f} ms ({gflop / gradient:.0f} GFLOP/s of convolution flops), of "
-                 f"which the convolutions alone would take {convolutions / gradient:.0%}")
+    lines.append(
+        f"convolutions in all: forward {totals['forward_s'] * 1e3:.0f} ms, dx {totals['dx_s'] * 1e3:.0f} ms, "
+        f"dk {totals['dk_s'] * 1e3:.0f} ms; the network: forward {figures['network_forward_s'] * 1e3:.0f} "
+        f"ms, gradient {gradient * 1e3:.0f} ms ({gflop / gradient:.0f} GFLOP/s of convolution flops), of "
+        f"which the convolutions alone would take {convolutions / gradient:.0%}"
+    )
     update_s = figures["traced_update_s"]
     top = list(figures["traced_operations_s"].items())[:8]
     named = sum(figures["traced_operations_s"].values())
-    lines.append(f"one learner update under the profiler: {update_s:.2f} s, of which XLA operations the trace names "
-                 f"{named / update_s:.0%}: " + ", ".join(f"{kind} {t / update_s:.0%}" for kind, t in top))
+    lines.append(
+        f"one learner update under the profiler: {update_s:.2f} s, of which XLA operations the trace names "
+        f"{named / update_s:.0%}: " + ", ".join(f"{kind} {t / update_s:.0%}" for kind, t in top)
+    )
     return "\n".join(lines)
 
 
@@ -917,10 +1106,13 @@ def main(argv: list):
     workdir = Path(tempfile.mkdtemp(prefix="cleanba-benchmark-"))
     sizes = plan_run(own, script, flags, workdir)
     json_path = bench.json or Path(f"benchmark-{script.stem}-{sizes['env_id']}.json")
-    print(f"{script.name} on {sizes['env_id']}, {sizes['layout']}: batch_size={sizes['batch_size']} env steps per "
-          f"iteration (num_steps={sizes['num_steps']}); median of {bench.repeats} windows of {bench.iterations} "
-          f"iterations after {bench.warmup_iterations} warm-up iterations; {len(os.sched_getaffinity(0))} CPU "
-          f"cores", flush=True)
+    print(
+        f"{script.name} on {sizes['env_id']}, {sizes['layout']}: batch_size={sizes['batch_size']} env steps per "
+        f"iteration (num_steps={sizes['num_steps']}); median of {bench.repeats} windows of {bench.iterations} "
+        f"iterations after {bench.warmup_iterations} warm-up iterations; {len(os.sched_getaffinity(0))} CPU "
+        f"cores",
+        flush=True,
+    )
     phases = {}
     for phase in [phase for phase in PHASES if phase in bench.phases]:
         print(f"  {phase} ...", end="", flush=True)
@@ -942,8 +1134,15 @@ def main(argv: list):
     ratios = derived_ratios(phases)
     print(table(phases, ratios), flush=True)
     settings = dict(repeats=bench.repeats, warmup_iterations=bench.warmup_iterations, iterations=bench.iterations)
-    report = dict(script=str(script), **sizes, cpu_cores_available=len(os.sched_getaffinity(0)), settings=settings,
-                  script_flags=flags, phases=phases, ratios=ratios)
+    report = dict(
+        script=str(script),
+        **sizes,
+        cpu_cores_available=len(os.sched_getaffinity(0)),
+        settings=settings,
+        script_flags=flags,
+        phases=phases,
+        ratios=ratios,
+    )
     json_path.write_text(json.dumps(report, indent=2))
     print(f"figures written to {json_path}")
 

@@ -5,6 +5,7 @@ Imported by cleanba_ppo.py and cleanba_impala.py only when a run checkpoints, re
 
     args, params, script = load_model("runs/<run_name>/cleanba_ppo.cleanba_model")
 """
+
 import json
 import os
 from pathlib import Path
@@ -29,8 +30,9 @@ def write_atomically(path: Path, payload: dict):
 
 def save_model(path: Path, script: str, args: dict, params):
     """Args and params in one file, and the name of the script that defines the network and envs."""
-    write_atomically(path, {"args": json.dumps(args), "script": script,
-                            "params": flax.serialization.to_state_dict(params)})
+    write_atomically(
+        path, {"args": json.dumps(args), "script": script, "params": flax.serialization.to_state_dict(params)}
+    )
 
 
 def load_model(path: Path):
@@ -42,8 +44,14 @@ def load_model(path: Path):
 def save_checkpoint(path: Path, args: dict, train_state, iteration: int):
     """Params, optimizer state and its step count, the iteration (which fixes the global step, the policy
     versions and the actors' RNG counters) and the args (which fix the seeds)."""
-    write_atomically(path, {"args": json.dumps(args), "iteration": iteration,
-                            "train_state": flax.serialization.to_state_dict(train_state)})
+    write_atomically(
+        path,
+        {
+            "args": json.dumps(args),
+            "iteration": iteration,
+            "train_state": flax.serialization.to_state_dict(train_state),
+        },
+    )
 
 
 def load_checkpoint(path: Path, args: dict, template, may_change: set):
@@ -52,8 +60,11 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set):
     not what it learns: the scripts mark them resumable)."""
     payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
     saved, current = json.loads(payload["args"]), json.loads(json.dumps(args))
-    conflicts = [f"{key}={saved.get(key)} (now {current[key]})" for key in current
-                 if key not in may_change and saved.get(key) != current[key]]
+    conflicts = [
+        f"{key}={saved.get(key)} (now {current[key]})"
+        for key in current
+        if key not in may_change and saved.get(key) != current[key]
+    ]
     if conflicts:
         raise ValueError(f"the checkpoint {path} was trained with {', '.join(conflicts)}")
     return payload["iteration"], flax.serialization.from_state_dict(template, payload["train_state"])

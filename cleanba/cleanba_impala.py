@@ -9,6 +9,7 @@ Efficient Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage
 
     python cleanba/cleanba_impala.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
+
 import math
 import os
 import queue
@@ -110,13 +111,17 @@ class Algorithm:
 def check_algorithm(args: "Args"):
     """IMPALA's checks of flags that act together (each flag's range is checked by the engine)."""
     if args.exact and args.group_envs % args.gradient_accumulation_steps:
-        fail(f"--group-envs={args.group_envs} must be divisible by --gradient-accumulation-steps="
-             f"{args.gradient_accumulation_steps} (with --exact a group's sequences are cut into the micro-batches); "
-             f"use a multiple of {args.gradient_accumulation_steps}")
+        fail(
+            f"--group-envs={args.group_envs} must be divisible by --gradient-accumulation-steps="
+            f"{args.gradient_accumulation_steps} (with --exact a group's sequences are cut into the micro-batches); "
+            f"use a multiple of {args.gradient_accumulation_steps}"
+        )
     envs = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
     if envs < args.num_minibatches:
-        fail(f"--num-minibatches={args.num_minibatches} is more than the {envs} envs of a process (--local-num-envs x "
-             f"--num-actor-threads x actor devices): minibatches are whole env sequences; use at most {envs}")
+        fail(
+            f"--num-minibatches={args.num_minibatches} is more than the {envs} envs of a process (--local-num-envs x "
+            f"--num-actor-threads x actor devices): minibatches are whole env sequences; use at most {envs}"
+        )
 
 
 # How the engine groups a learner device's envs for IMPALA. Minibatch k holds whole sequences (V-trace runs along
@@ -206,8 +211,7 @@ def vtrace_targets(values, rewards, terminations, valid, rhos, gamma: float):
     # EnvPool's auto-reset step gets importance weight 0: its TD error and its trace vanish, so its target is
     # its own value (that of the final obs) and nothing flows back across the episode boundary.
     rhos = jnp.where(valid, rhos, 0.0)
-    vtrace = partial(rlax.vtrace_td_error_and_advantage, lambda_=1.0, clip_rho_threshold=1.0,
-                     clip_pg_rho_threshold=1.0)
+    vtrace = partial(rlax.vtrace_td_error_and_advantage, lambda_=1.0, clip_rho_threshold=1.0, clip_pg_rho_threshold=1.0)
     return jax.vmap(vtrace, in_axes=1, out_axes=1)(values[:-1], values[1:], rewards, discounts, rhos)
 
 
@@ -232,8 +236,14 @@ def impala_loss(agent: Agent, args: "Args", params, batch: dict, count):
     # of TorchBeast and the original Cleanba were tuned for; after the sum of the gradients over all groups it is
     # the global sum, on any number of devices. The logged metrics are per-sample means (count is the global number).
     mask = batch["valid"]
-    metrics = dict(loss=loss, policy_loss=pg_loss, value_loss=v_loss, entropy=entropy,
-                   approx_kl=(rhos - 1) - logratio, clipped_rho_fraction=(rhos > 1.0).astype(jnp.float32))
+    metrics = dict(
+        loss=loss,
+        policy_loss=pg_loss,
+        value_loss=v_loss,
+        entropy=entropy,
+        approx_kl=(rhos - 1) - logratio,
+        clipped_rho_fraction=(rhos > 1.0).astype(jnp.float32),
+    )
     # Masked sums as dots: XLA computes a dot as one op, while a reduce of v * mask fused with its producers was
     # summed in another order in one group position of four, so logged losses differed in the last bit.
     metrics = {k: jnp.vdot(v, mask) / count for k, v in metrics.items()}
@@ -254,8 +264,14 @@ def learn(agent: Agent, args: "Args", shuffle_key, state: TrainState, rollout: "
     minibatches (lax.scan over minibatch_step, in a shuffled order of the minibatch classes) -> groups of envs
     (groups.total) -> micro-batches (groups.gradients). Returns the new state and the metrics averaged over the
     minibatches."""
-    data = dict(obs=rollout.obs, actions=rollout.actions, logprobs=rollout.logprobs, rewards=rollout.rewards,
-                terminations=rollout.terminations, valid=rollout.valid)
+    data = dict(
+        obs=rollout.obs,
+        actions=rollout.actions,
+        logprobs=rollout.logprobs,
+        rewards=rollout.rewards,
+        terminations=rollout.terminations,
+        valid=rollout.valid,
+    )
     order = jax.random.permutation(jax.random.fold_in(shuffle_key, state.step), args.num_minibatches)
 
     def minibatch_step(state, k):  # minibatch k: whole sequences of the envs of class k
@@ -277,20 +293,52 @@ def make_optimizer(args: "Args"):
         # PyTorch-style RMSProp, eps outside the square root, as in TorchBeast and the original Cleanba (the IMPALA
         # paper's RMSProp puts it inside).
         optax.inject_hyperparams(optax.rmsprop, static_args=("eps_in_sqrt",))(
-            learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, decay=args.rmsprop_decay,
-            eps=args.rmsprop_eps, eps_in_sqrt=False),
+            learning_rate=linear_schedule if args.anneal_lr else args.learning_rate,
+            decay=args.rmsprop_decay,
+            eps=args.rmsprop_eps,
+            eps_in_sqrt=False,
+        ),
     )
 
 
 # ======== ENGINE: everything below this line is the same, byte for byte, in cleanba_ppo.py and cleanba_impala.py
 # The algorithm above, as the engine calls it; and the names that tools importing a script as a module use
 # (cleanba/evaluate.py, benchmark.py, gpu_compile.py; tests/test_engine.py checks both lists).
-ALGORITHM_NAMES = ("Algorithm", "check_algorithm", "MICRO_BATCH_AXIS", "minibatch_classes", "make_network", "learn",
-                   "make_optimizer", "update_minibatch")
-TOOL_NAMES = ("Args", "check_args", "fill_runtime_sizes", "check_devices", "env_kwargs", "make_env", "make_network",
-              "make_agent", "initial_state", "make_policy", "first_replica", "rollout_fields", "learner_rollout_shapes",
-              "put_on_learners", "rollout_actor", "make_learner_update", "update_minibatch", "run_thread", "Stop",
-              "StopTraining", "queue_get", "queue_put", "Rollout")
+ALGORITHM_NAMES = (
+    "Algorithm",
+    "check_algorithm",
+    "MICRO_BATCH_AXIS",
+    "minibatch_classes",
+    "make_network",
+    "learn",
+    "make_optimizer",
+    "update_minibatch",
+)
+TOOL_NAMES = (
+    "Args",
+    "check_args",
+    "fill_runtime_sizes",
+    "check_devices",
+    "env_kwargs",
+    "make_env",
+    "make_network",
+    "make_agent",
+    "initial_state",
+    "make_policy",
+    "first_replica",
+    "rollout_fields",
+    "learner_rollout_shapes",
+    "put_on_learners",
+    "rollout_actor",
+    "make_learner_update",
+    "update_minibatch",
+    "run_thread",
+    "Stop",
+    "StopTraining",
+    "queue_get",
+    "queue_put",
+    "Rollout",
+)
 
 
 @dataclass
@@ -386,8 +434,10 @@ def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
     args.minibatch_size = args.local_minibatch_size * world_size
     args.num_iterations = args.total_timesteps // args.batch_size
     if args.num_iterations == 0:
-        fail(f"--total-timesteps={args.total_timesteps} is smaller than one batch of {args.batch_size} steps "
-             f"(num_envs={args.num_envs} x num_steps={args.num_steps}); raise it or shrink the batch")
+        fail(
+            f"--total-timesteps={args.total_timesteps} is smaller than one batch of {args.batch_size} steps "
+            f"(num_envs={args.num_envs} x num_steps={args.num_steps}); raise it or shrink the batch"
+        )
 
 
 def is_atari(env_id: str) -> bool:
@@ -405,8 +455,9 @@ def env_kwargs(args: Args) -> dict:
 
 def make_env(args: Args, num_envs: int, seed: int):
     # batch_size == num_envs keeps recv() deterministic and in env-id order (EnvPool docs, "Auto-reset").
-    return envpool.make(args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed,
-                        **env_kwargs(args))
+    return envpool.make(
+        args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed, **env_kwargs(args)
+    )
 
 
 class Rollout(NamedTuple):
@@ -481,7 +532,7 @@ def make_policy(args: Args, agent, action_key):
             return jax.lax.optimization_barrier(agent.apply(params, jax.lax.optimization_barrier(o))[0])
 
         logits = jax.lax.map(chunk_logits, padded.reshape(-1, chunk, *obs.shape[1:]))
-        return logits.reshape(-1, logits.shape[-1])[:obs.shape[0]]
+        return logits.reshape(-1, logits.shape[-1])[: obs.shape[0]]
 
     @jax.jit
     def policy(params, obs, env_ids, step):
@@ -519,7 +570,7 @@ def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
     width = math.ceil(blocks / num_devices) * block  # whole blocks, as many on every device
     shards = []
     for start in range(0, width * num_devices, width):
-        counts = np.bincount(env_ids[start:start + width] % classes, minlength=classes)
+        counts = np.bincount(env_ids[start : start + width] % classes, minlength=classes)
         pad_ids = [np.full(width // classes - count, c - classes, np.int32) for c, count in enumerate(counts)]
         shards.append((slice(start, start + width), np.concatenate(pad_ids)))
     return shards
@@ -528,9 +579,16 @@ def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
 def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
     """(shape, dtype) of each field of one actor thread's rollout."""
     T, n = args.num_steps, args.local_num_envs
-    return Rollout(obs=((T + 1, n, *obs_shape), obs_dtype), actions=((T, n), np.int32), logprobs=((T, n), np.float32),
-                   rewards=((T, n), np.float32), terminations=((T, n), bool), truncations=((T, n), bool),
-                   valid=((T, n), bool), env_ids=((1, n), np.int32))
+    return Rollout(
+        obs=((T + 1, n, *obs_shape), obs_dtype),
+        actions=((T, n), np.int32),
+        logprobs=((T, n), np.float32),
+        rewards=((T, n), np.float32),
+        terminations=((T, n), bool),
+        truncations=((T, n), bool),
+        valid=((T, n), bool),
+        env_ids=((1, n), np.int32),
+    )
 
 
 def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh, num_local_learner_devices: int) -> Rollout:
@@ -538,8 +596,9 @@ def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh, num_local_le
     envs = learner_shards(args, np.arange(args.local_num_envs), num_local_learner_devices)[0][0]
     width = (envs.stop - envs.start) * mesh.size  # every learner device of every process holds the same width
     sharding = NamedSharding(mesh, P(None, "learner"))
-    return Rollout(*[jax.ShapeDtypeStruct((shape[0], width, *shape[2:]), dtype, sharding=sharding)
-                     for shape, dtype in fields])
+    return Rollout(
+        *[jax.ShapeDtypeStruct((shape[0], width, *shape[2:]), dtype, sharding=sharding) for shape, dtype in fields]
+    )
 
 
 def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
@@ -552,8 +611,9 @@ def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devi
         for (envs, pad_ids), device in zip(shards, local_learner_devices):
             part = x[:, envs]
             if len(pad_ids):  # pad envs: their ids, and zeros elsewhere (valid False); no copy where none is needed
-                pad = pad_ids[None] if name == "env_ids" else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]),
-                                                                       x.dtype)
+                pad = (
+                    pad_ids[None] if name == "env_ids" else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]), x.dtype)
+                )
                 part = np.concatenate([part, pad], axis=1)
             parts.append(jax.device_put(part, device))
         global_shape = (x.shape[0], parts[0].shape[1] * mesh.size, *x.shape[2:])  # the same width on every device
@@ -562,9 +622,18 @@ def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devi
     return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
 
 
-def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, mesh: Mesh,
-                  local_learner_devices: list, policy, param_queue: queue.Queue, rollout_queue: queue.Queue,
-                  stop: Stop):
+def rollout_actor(
+    args: Args,
+    start_iteration: int,
+    thread_index: int,
+    device,
+    mesh: Mesh,
+    local_learner_devices: list,
+    policy,
+    param_queue: queue.Queue,
+    rollout_queue: queue.Queue,
+    stop: Stop,
+):
     """Thread body: for each iteration, take the params the learner queued for it, play num_steps steps of its envs,
     queue the rollout. How far behind the learner it runs is decided by the learner alone (train)."""
     first_env = thread_index * args.local_num_envs  # global env indices, the same on every layout
@@ -618,8 +687,15 @@ def rollout_actor(args: Args, start_iteration: int, thread_index: int, device, m
             rollout = put_on_learners(args, storage, mesh, local_learner_devices)
             clock.lap("host_to_device")
             param_queue_wait = clock.sums.pop("param_queue_wait")
-            rollout_info = RolloutInfo(policy_version, param_queue_wait, time.time(), sum(clock.sums.values()),
-                                       finished_returns, finished_lengths, clock.sums)
+            rollout_info = RolloutInfo(
+                policy_version,
+                param_queue_wait,
+                time.time(),
+                sum(clock.sums.values()),
+                finished_returns,
+                finished_lengths,
+                clock.sums,
+            )
             queue_put(rollout_queue, (rollout, rollout_info), stop)
     finally:
         envs.close()
@@ -657,6 +733,7 @@ class Groups(NamedTuple):
         """fn of each group's slice of fields (stacked on axis 0), each on its own: optimization barriers keep XLA
         from fusing or merging work across groups, so that a group's result does not depend on how many groups a
         device holds."""
+
         def fenced(group):
             return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(group)))
 
@@ -733,12 +810,17 @@ def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_slots: i
     to the next: the learner needs about one micro-batch step's memory (docs/gpu.md).
     Forking: `args` is read once, when the update is traced; a value that changes during training must be an input
     (the learning rate is one: optax.inject_hyperparams keeps it in state.opt_state), not a field changed on args."""
-    return jax.jit(jax.shard_map(
-        partial(learner_update, agent, args, shuffle_key), mesh=mesh,
-        in_specs=(P(), (P(None, "learner"),) * num_slots), out_specs=(P(), P()),
-        # Without replication typing, gradients stay per-device until the explicit sum over groups (Groups.sum)
-        # (and rlax's scans, whose carries are unannotated, trace as they are).
-        check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            partial(learner_update, agent, args, shuffle_key),
+            mesh=mesh,
+            in_specs=(P(), (P(None, "learner"),) * num_slots),
+            out_specs=(P(), P()),
+            # Without replication typing, gradients stay per-device until the explicit sum over groups (Groups.sum)
+            # (and rlax's scans, whose carries are unannotated, trace as they are).
+            check_vma=False,
+        )
+    )
 
 
 def compile_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple):
@@ -747,8 +829,17 @@ def compile_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, state: Tr
     return make_learner_update(agent, args, shuffle_key, mesh, len(rollouts)).lower(state, rollouts).compile()
 
 
-def check_learner_memory(args: Args, agent, shuffle_key, mesh: Mesh, state: TrainState, rollouts: tuple,
-                         learner_update, local_learner_devices: list, fields: Rollout):
+def check_learner_memory(
+    args: Args,
+    agent,
+    shuffle_key,
+    mesh: Mesh,
+    state: TrainState,
+    rollouts: tuple,
+    learner_update,
+    local_learner_devices: list,
+    fields: Rollout,
+):
     """Refuse a learner that cannot fit in memory, before training (cleanba/plumbing.py check_memory)."""
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh.size
     host_storage = len(rollouts) * sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields)
@@ -758,8 +849,13 @@ def check_learner_memory(args: Args, agent, shuffle_key, mesh: Mesh, state: Trai
         analysis = compile_learner_update(agent, other, shuffle_key, mesh, state, rollouts).memory_analysis()
         return learner_memory_needs(analysis, queued)
 
-    check_memory(learner_memory_needs(learner_update.memory_analysis(), queued), local_learner_devices, host_storage,
-                 accumulation_needs, args.gradient_accumulation_steps)
+    check_memory(
+        learner_memory_needs(learner_update.memory_analysis(), queued),
+        local_learner_devices,
+        host_storage,
+        accumulation_needs,
+        args.gradient_accumulation_steps,
+    )
 
 
 def make_agent(args: Args, mesh: Mesh):
@@ -784,9 +880,10 @@ def make_process_gather(mesh: Mesh, local_learner_devices: list):
 
     def gather(x: np.ndarray) -> np.ndarray:
         parts = [jax.device_put(x[None], device) for device in local_learner_devices]
-        stacked = jax.make_array_from_single_device_arrays((mesh.size, *x.shape), NamedSharding(mesh, P("learner")),
-                                                           parts)
-        return np.asarray(first_replica(replicate(stacked)))[::len(local_learner_devices)]
+        stacked = jax.make_array_from_single_device_arrays(
+            (mesh.size, *x.shape), NamedSharding(mesh, P("learner")), parts
+        )
+        return np.asarray(first_replica(replicate(stacked)))[:: len(local_learner_devices)]
 
     return gather
 
@@ -811,10 +908,18 @@ def initialize_distributed(args: Args):
     local_device_ids = None
     if "JAX_LOCAL_DEVICE_IDS" not in os.environ:
         local_device_ids = list(range(max(args.actor_device_ids + args.learner_device_ids) + 1))
-    jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                               local_device_ids=local_device_ids, heartbeat_timeout_seconds=args.heartbeat_timeout)
-    print(f"rank {jax.process_index()} of {jax.process_count()}: GPUs visible to JAX (jax_cuda_visible_devices) "
-          f"{jax.config.read('jax_cuda_visible_devices')}", flush=True)
+    jax.distributed.initialize(
+        args.coordinator_address,
+        args.num_processes,
+        args.process_id,
+        local_device_ids=local_device_ids,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+    )
+    print(
+        f"rank {jax.process_index()} of {jax.process_count()}: GPUs visible to JAX (jax_cuda_visible_devices) "
+        f"{jax.config.read('jax_cuda_visible_devices')}",
+        flush=True,
+    )
 
 
 class Run:
@@ -839,8 +944,9 @@ def start(args: Args) -> Run:
     local_devices = jax.local_devices()
     actor_devices = [local_devices[i] for i in args.actor_device_ids]
     run.local_learner_devices = [local_devices[i] for i in args.learner_device_ids]
-    learner_devices = [jax.local_devices(process_index=p)[i]
-                       for p in range(args.world_size) for i in args.learner_device_ids]
+    learner_devices = [
+        jax.local_devices(process_index=p)[i] for p in range(args.world_size) for i in args.learner_device_ids
+    ]
     run.mesh = mesh = Mesh(np.array(learner_devices), ("learner",))
     run_name = args.run_name or default_run_name(args)
     run.run_dir = Path("runs") / run_name
@@ -848,8 +954,10 @@ def start(args: Args) -> Run:
     # A requeued SLURM job resumes by itself (SLURM_RESTART_COUNT counts the requeues).
     resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and run.checkpoint_path.exists())
     if resume and not run.checkpoint_path.exists():
-        fail(f"--resume: no checkpoint at {run.checkpoint_path}; give the --run-name of a run that saved one "
-             f"(--checkpoint-frequency)")
+        fail(
+            f"--resume: no checkpoint at {run.checkpoint_path}; give the --run-name of a run that saved one "
+            f"(--checkpoint-frequency)"
+        )
 
     agent, run.state, action_key, shuffle_key = make_agent(args, mesh)
     if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
@@ -861,15 +969,21 @@ def start(args: Args) -> Run:
         from cleanba import checkpoint
 
         try:
-            completed, restored = checkpoint.load_checkpoint(run.checkpoint_path, asdict(args), host(run.state),
-                                                             resumable_flags(args))
+            completed, restored = checkpoint.load_checkpoint(
+                run.checkpoint_path, asdict(args), host(run.state), resumable_flags(args)
+            )
         except ValueError as error:
-            fail(f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
-                 "with another --run-name")
+            fail(
+                f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
+                "with another --run-name"
+            )
         run.state, run.completed = jax.device_put(restored, NamedSharding(mesh, P())), completed
-        print(f"rank {args.process_index}: resumed {run.checkpoint_path} at iteration {completed} (global step "
-              f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
-              f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}", flush=True)
+        print(
+            f"rank {args.process_index}: resumed {run.checkpoint_path} at iteration {completed} (global step "
+            f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
+            f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}",
+            flush=True,
+        )
     run.start_iteration = run.completed + 1
 
     num_slots = len(actor_devices) * args.num_actor_threads
@@ -878,27 +992,39 @@ def start(args: Args) -> Run:
     rollouts = (learner_rollout_shapes(args, fields, mesh, len(run.local_learner_devices)),) * num_slots
     run.update = compile_learner_update(agent, args, shuffle_key, mesh, run.state, rollouts)
     if args.memory_check:
-        check_learner_memory(args, agent, shuffle_key, mesh, run.state, rollouts, run.update,
-                             run.local_learner_devices, fields)
+        check_learner_memory(
+            args, agent, shuffle_key, mesh, run.state, rollouts, run.update, run.local_learner_devices, fields
+        )
 
     run.logger = None  # only process 0 writes logs, checkpoints and the model
     if args.process_index == 0:
         purge_step = run.completed * args.batch_size + 1 if resume else None  # drop logs after it
         run.logger = IterationLogger(args, run_name, run.run_dir, purge_step)
-        pads = sum(len(pad_ids) for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs),
-                                                                 len(run.local_learner_devices)))
+        pads = sum(
+            len(pad_ids)
+            for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs), len(run.local_learner_devices))
+        )
         padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
-        print(f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
-              f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
-              f"{len(learner_devices)} device(s){padding}, logs in {run.run_dir}", flush=True)
+        print(
+            f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
+            f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
+            f"{len(learner_devices)} device(s){padding}, logs in {run.run_dir}",
+            flush=True,
+        )
         if args.exact:  # groups are cut from each actor thread's envs, so they only tile the same way in whole blocks
             block = env_blocks(args)[1]
-            splits = (f"and on any split of the envs over actor threads and processes whose --local-num-envs is a "
-                      f"multiple of {block}" if args.local_num_envs % block == 0 else
-                      f"but not on another split of the envs over actor threads or processes (--local-num-envs is not "
-                      f"a multiple of {block}, a block of groups)")
-            print(f"exact: sums over groups of {args.group_envs} envs in a fixed order, the same bits on every learner "
-                  f"layout {splits}; XLA_FLAGS: {os.environ['XLA_FLAGS']}", flush=True)
+            splits = (
+                f"and on any split of the envs over actor threads and processes whose --local-num-envs is a "
+                f"multiple of {block}"
+                if args.local_num_envs % block == 0
+                else f"but not on another split of the envs over actor threads or processes (--local-num-envs is not "
+                f"a multiple of {block}, a block of groups)"
+            )
+            print(
+                f"exact: sums over groups of {args.group_envs} envs in a fixed order, the same bits on every learner "
+                f"layout {splits}; XLA_FLAGS: {os.environ['XLA_FLAGS']}",
+                flush=True,
+            )
 
     policy = make_policy(args, agent, action_key)
     run.process_gather = make_process_gather(mesh, run.local_learner_devices)
@@ -909,10 +1035,26 @@ def start(args: Args) -> Run:
         for t in range(args.num_actor_threads):
             slot = d * args.num_actor_threads + t
             thread_index = args.process_index * num_slots + slot
-            run.threads.append(threading.Thread(
-                target=run_thread, daemon=True, name=f"actor-{thread_index}",
-                args=(rollout_actor, run.stop, args, run.start_iteration, thread_index, device, mesh,
-                      run.local_learner_devices, policy, run.param_queues[slot], run.rollout_queues[slot])))
+            run.threads.append(
+                threading.Thread(
+                    target=run_thread,
+                    daemon=True,
+                    name=f"actor-{thread_index}",
+                    args=(
+                        rollout_actor,
+                        run.stop,
+                        args,
+                        run.start_iteration,
+                        thread_index,
+                        device,
+                        mesh,
+                        run.local_learner_devices,
+                        policy,
+                        run.param_queues[slot],
+                        run.rollout_queues[slot],
+                    ),
+                )
+            )
 
     def on_signal(signum, frame):  # stop at the next queue wait or iteration boundary, checkpoint, exit
         run.stop.signals.append(signum)
@@ -946,16 +1088,19 @@ def train(run: Run):
         put_params(run)
     last_progress = [time.time()]
     if args.stall_timeout:
-        threading.Thread(target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True,
-                         name="watchdog").start()
+        threading.Thread(
+            target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True, name="watchdog"
+        ).start()
     taken = [None] * len(run.rollout_queues)  # when the learner took each actor's last rollout
     for iteration in range(run.start_iteration, args.num_iterations + 1):
         start_time = time.time()
         items = [queue_get(q, stop) for q in run.rollout_queues]
         rollout_queue_wait = time.time() - start_time
         # An actor queues a rollout once the learner took its previous one: the wait is known at this take.
-        infos = [info._replace(rollout_queue_wait=max(0.0, (previous or info.handover_start) - info.handover_start))
-                 for (_, info), previous in zip(items, taken)]
+        infos = [
+            info._replace(rollout_queue_wait=max(0.0, (previous or info.handover_start) - info.handover_start))
+            for (_, info), previous in zip(items, taken)
+        ]
         taken = [time.time()] * len(items)
         start_time = time.time()
         run.state, metrics = run.update(run.state, tuple(rollout for rollout, _ in items))
@@ -1004,8 +1149,12 @@ def stop_run(run: Run):
     if any(thread.is_alive() for thread in run.threads):
         print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
     stopped_by_signal = run.stop.signals and not run.stop.errors
-    if stopped_by_signal and run.logger is not None and run.args.checkpoint_frequency and \
-            run.completed >= run.start_iteration:
+    if (
+        stopped_by_signal
+        and run.logger is not None
+        and run.args.checkpoint_frequency
+        and run.completed >= run.start_iteration
+    ):
         save_checkpoint(run)
         print(f"checkpoint of iteration {run.completed} saved to {run.checkpoint_path}", flush=True)
     if run.logger is not None:
@@ -1020,8 +1169,15 @@ def finish(run: Run):
         if run.model_path is not None and run.args.eval_episodes and not run.stop.signals:
             from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
 
-            evaluate_after_training(sys.modules[__name__], Path(__file__), run.args, run.model_path, run.logger.writer,
-                                    run.run_dir, interrupted=lambda: bool(run.stop.signals))
+            evaluate_after_training(
+                sys.modules[__name__],
+                Path(__file__),
+                run.args,
+                run.model_path,
+                run.logger.writer,
+                run.run_dir,
+                interrupted=lambda: bool(run.stop.signals),
+            )
     finally:
         if run.logger is not None:
             run.logger.close()

@@ -10,6 +10,7 @@ title, the largest absolute difference |a - b| and the largest relative differen
 over the steps both runs logged, then whether the runs are bitwise identical: every tag equal at every common
 step, stats/params_checksum included (runs with --exact, docs/reproducibility.md).
 """
+
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,15 @@ PANEL_SIZE = (900, 300)
 class Args:
     run_dirs: tyro.conf.Positional[tuple[Path, Path]]
     """the two run directories (runs/<run_name>) to compare"""
-    tags: list[str] = field(default_factory=lambda: ["charts/episodic_return", "losses/value_loss",
-                                                     "losses/policy_loss", "losses/entropy", "stats/params_checksum"])
+    tags: list[str] = field(
+        default_factory=lambda: [
+            "charts/episodic_return",
+            "losses/value_loss",
+            "losses/policy_loss",
+            "losses/entropy",
+            "stats/params_checksum",
+        ]
+    )
     """the scalars to compare, one panel each"""
     out: Path = Path("layouts.png")
     """the PNG to write"""
@@ -39,8 +47,10 @@ def check_same_experiment(runs: list):
     for key in ["env_id", "seed"]:
         values = [run.hyperparameters[key] for run in runs]
         if values[0] != values[1]:
-            warn(f"the runs differ in {key} ({values[0]} vs {values[1]}): this is not a reproducibility "
-                 f"comparison, which needs the same env_id and seed on both layouts")
+            warn(
+                f"the runs differ in {key} ({values[0]} vs {values[1]}): this is not a reproducibility "
+                f"comparison, which needs the same env_id and seed on both layouts"
+            )
 
 
 def run_labels(runs: list) -> list:
@@ -59,16 +69,19 @@ def curve_difference(a: pd.DataFrame, b: pd.DataFrame) -> dict:
     absolute = (common.value_a - common.value_b).abs().to_numpy()
     scale = np.maximum(common.value_a.abs(), common.value_b.abs()).to_numpy()
     relative = np.divide(absolute, scale, out=np.zeros_like(absolute), where=scale > 0)  # 0 where both are 0
-    return dict(steps=len(common), absolute=absolute.max(), step=int(common.step[absolute.argmax()]),
-                relative=relative.max())
+    return dict(
+        steps=len(common), absolute=absolute.max(), step=int(common.step[absolute.argmax()]), relative=relative.max()
+    )
 
 
 def describe(tag: str, difference: dict) -> str:
     if not difference["steps"]:
         return f"{tag}: no common steps"
     where = f" (step {difference['step']})" if difference["absolute"] > 0 else ""
-    return (f"{tag}: max |a - b| = {difference['absolute']:.6g}{where}, max relative difference = "
-            f"{difference['relative']:.3g} over {difference['steps']} common steps")
+    return (
+        f"{tag}: max |a - b| = {difference['absolute']:.6g}{where}, max relative difference = "
+        f"{difference['relative']:.3g} over {difference['steps']} common steps"
+    )
 
 
 def scalar(run, tag: str) -> pd.DataFrame:
@@ -101,8 +114,11 @@ def main(args: Args):
         axis.set_xlabel("global_step", fontsize="small")
         axis.legend(fontsize="small")
         axis.grid(alpha=0.25)
-    print(f"bitwise identical: all {len(args.tags)} tags equal at every common step" if identical else
-          "not bitwise identical (runs without --exact differ by float rounding, which RL amplifies)")
+    print(
+        f"bitwise identical: all {len(args.tags)} tags equal at every common step"
+        if identical
+        else "not bitwise identical (runs without --exact differ by float rounding, which RL amplifies)"
+    )
     figure.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_figure(figure, args.out)

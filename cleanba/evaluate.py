@@ -13,6 +13,7 @@ Each training script runs `evaluate_after_training` at the end of a --save-model
 logs eval/episodic_return (one point per episode, x = episode index) next to the run's other curves, writes
 videos to runs/<run_name>/videos/ with --capture-video, and uploads with --upload-model.
 """
+
 import importlib.util
 import json
 import shutil
@@ -71,8 +72,10 @@ def script_of(model_path: Path, name: str | None, script: Path | None) -> Path:
         return script
     candidate = Path(__file__).with_name(name) if name else None
     if candidate is None or not candidate.exists():
-        fail(f"{model_path} does not name a training script of this checkout ({name}); pass --script PATH of the "
-             "script that trained it")
+        fail(
+            f"{model_path} does not name a training script of this checkout ({name}); pass --script PATH of the "
+            "script that trained it"
+        )
     return candidate
 
 
@@ -115,13 +118,17 @@ def check_network(module, train_args, params):
         actions = make_eval_policy(agent, greedy=False)(params, obs, jax.random.key(0))
         logits, values = agent.apply(params, obs)
     except Exception as error:
-        fail(f"--save-model: the evaluation cannot run this network ({type(error).__name__}: {error}). It builds it "
-             f"with make_network(args, num_actions) and needs apply(params, obs) -> (logits, values); keep that "
-             f"contract, or train without --save-model")
+        fail(
+            f"--save-model: the evaluation cannot run this network ({type(error).__name__}: {error}). It builds it "
+            f"with make_network(args, num_actions) and needs apply(params, obs) -> (logits, values); keep that "
+            f"contract, or train without --save-model"
+        )
     shapes = (getattr(logits, "shape", None), getattr(values, "shape", None), actions.shape)
     if shapes != ((2, spec.action_space.n), (2,), (2,)):
-        fail(f"--save-model: the network returns logits, values of shapes {shapes[0]}, {shapes[1]} for a batch of 2; "
-             f"the evaluation needs ((2, {spec.action_space.n}), (2,)): apply(params, obs) -> (logits, values)")
+        fail(
+            f"--save-model: the network returns logits, values of shapes {shapes[0]}, {shapes[1]} for a batch of 2; "
+            f"the evaluation needs ((2, {spec.action_space.n}), (2,)): apply(params, obs) -> (logits, values)"
+        )
 
 
 def write_video(path: Path, frames: list):
@@ -136,8 +143,17 @@ def write_video(path: Path, frames: list):
             writer.append_data(frame)
 
 
-def evaluate(module, train_args, params, episodes: int, num_envs: int = 8, greedy: bool = False,
-             seed: int | None = None, video_dir: Path | None = None, interrupted=lambda: False) -> tuple:
+def evaluate(
+    module,
+    train_args,
+    params,
+    episodes: int,
+    num_envs: int = 8,
+    greedy: bool = False,
+    seed: int | None = None,
+    video_dir: Path | None = None,
+    interrupted=lambda: False,
+) -> tuple:
     """Play `episodes` whole games with the training script's network and wrappers. Returns (returns, lengths,
     video paths); episode i of the result is the i-th to finish. Stops early when interrupted() is true."""
     import envpool
@@ -147,8 +163,15 @@ def evaluate(module, train_args, params, episodes: int, num_envs: int = 8, greed
     # Training envs are seeded seed + 0 .. num_envs - 1; start after them so evaluation plays unseen envs.
     seed = train_args.seed + train_args.num_envs if seed is None else seed
     render = {"render_mode": "rgb_array"} if video_dir is not None else {}
-    envs = envpool.make(train_args.env_id, env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed,
-                        **module.env_kwargs(train_args), **render)
+    envs = envpool.make(
+        train_args.env_id,
+        env_type="gymnasium",
+        num_envs=num_envs,
+        batch_size=num_envs,
+        seed=seed,
+        **module.env_kwargs(train_args),
+        **render,
+    )
     spec = envs.spec
     agent = module.make_network(train_args, spec.action_space.n)
     act = make_eval_policy(agent, greedy)
@@ -201,9 +224,14 @@ def model_card(train_args: dict, returns: list, script_name: str, repo_id: str, 
     env_id, exp_name = train_args["env_id"], train_args["exp_name"]
     algorithm = "PPO" if "ppo" in script_name else "IMPALA" if "impala" in script_name else script_name
     mean, std = float(np.mean(returns)), float(np.std(returns))
-    flags = " ".join(f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-                     for key, value in (("env_id", env_id), ("seed", train_args["seed"]),
-                                        ("total_timesteps", train_args["total_timesteps"])))
+    flags = " ".join(
+        f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        for key, value in (
+            ("env_id", env_id),
+            ("seed", train_args["seed"]),
+            ("total_timesteps", train_args["total_timesteps"]),
+        )
+    )
     video_line = f"\nVideo of an evaluation episode: `{videos[0].name}`.\n" if videos else ""
     return f"""---
 library_name: cleanba
@@ -251,8 +279,16 @@ python -m cleanba.evaluate model/{exp_name}.cleanba_model --script model/{script
 """
 
 
-def build_hub_folder(folder: Path, model_path: Path, script_path: Path, train_args: dict, returns: list,
-                     lengths: list, videos: list, repo_id: str) -> Path:
+def build_hub_folder(
+    folder: Path,
+    model_path: Path,
+    script_path: Path,
+    train_args: dict,
+    returns: list,
+    lengths: list,
+    videos: list,
+    repo_id: str,
+) -> Path:
     """Everything the Hub repository holds, in a local folder: model, script, args, returns, videos, card."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy2(model_path, folder / model_path.name)
@@ -272,8 +308,15 @@ def default_repo_id(train_args: dict) -> str:
     return f"{user}/{train_args['env_id']}-{train_args['exp_name']}-seed{train_args['seed']}"
 
 
-def upload(model_path: Path, script_path: Path, train_args: dict, returns: list, lengths: list, videos: list,
-           repo_id: str | None) -> str:
+def upload(
+    model_path: Path,
+    script_path: Path,
+    train_args: dict,
+    returns: list,
+    lengths: list,
+    videos: list,
+    repo_id: str | None,
+) -> str:
     from huggingface_hub import HfApi
 
     repo_id = repo_id or default_repo_id(train_args)
@@ -286,19 +329,24 @@ def upload(model_path: Path, script_path: Path, train_args: dict, returns: list,
     return repo_id
 
 
-def evaluate_after_training(module, script_path: Path, args, model_path: Path, writer, run_dir: Path,
-                            interrupted=lambda: False):
+def evaluate_after_training(
+    module, script_path: Path, args, model_path: Path, writer, run_dir: Path, interrupted=lambda: False
+):
     """The end of a --save-model run: evaluate the saved params, log eval/episodic_return, record, upload."""
     start = time.time()
     params = load_model(model_path)[1]  # what the file holds: the round trip is part of what is evaluated
     video_dir = run_dir / "videos" if args.capture_video else None
-    returns, lengths, videos = evaluate(module, args, params, args.eval_episodes, video_dir=video_dir,
-                                        interrupted=interrupted)
+    returns, lengths, videos = evaluate(
+        module, args, params, args.eval_episodes, video_dir=video_dir, interrupted=interrupted
+    )
     if interrupted():
         return
     log_returns(writer, returns)
-    print(f"evaluation: {summary(returns)} ({time.time() - start:.0f} s)"
-          + (f", videos in {video_dir}" if videos else ""), flush=True)
+    print(
+        f"evaluation: {summary(returns)} ({time.time() - start:.0f} s)"
+        + (f", videos in {video_dir}" if videos else ""),
+        flush=True,
+    )
     if args.upload_model:
         upload(model_path, script_path, asdict(args), returns, lengths, videos, args.hf_repo_id)
 
@@ -315,8 +363,9 @@ def main(args: Args):
     module = load_script(script_path)
     train_args = args_of_model(module, train_args_dict)
     video_dir = (args.video_dir or args.model.parent / "videos") if args.capture_video else None
-    returns, lengths, videos = evaluate(module, train_args, params, args.episodes, args.num_envs,
-                                        args.greedy, args.seed, video_dir)
+    returns, lengths, videos = evaluate(
+        module, train_args, params, args.episodes, args.num_envs, args.greedy, args.seed, video_dir
+    )
     for episode, (value, length) in enumerate(zip(returns, lengths)):
         print(f"episode {episode}: return {value:.2f}, length {length}")
     print(f"{train_args.env_id}: {summary(returns)}" + (f"; videos: {', '.join(map(str, videos))}" if videos else ""))

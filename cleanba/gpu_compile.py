@@ -24,6 +24,7 @@ defaults), so the real temporaries can be higher; the measured peak on an H100 w
 the default PPO update (docs/gpu.md). Needs the CUDA plugin and ptxas from PyPI:
 `poetry install --with gpu-compile`. Exit status: 0 when every GPU fits, 1 when one does not, 2 on bad input.
 """
+
 import os
 import sys
 import time
@@ -63,12 +64,12 @@ class CompileArgs:
     """processes (hosts) of the run: 2 for a -d2 layout"""
 
 
-
 def shape_on(sharding, x):
     """x's shape and dtype, placed on sharding: an argument of a program compiled from shapes."""
     import jax
 
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
 
 def ptxas_dir() -> str:
     """The CUDA directory of the nvidia-cuda-nvcc-cu12 wheel (bin/ptxas), which the gpu-compile group installs."""
@@ -81,8 +82,11 @@ def ptxas_dir() -> str:
 
 
 def memory_fraction() -> float:
-    return float(os.environ.get("XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                                           DEFAULT_MEM_FRACTION)))
+    return float(
+        os.environ.get(
+            "XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)
+        )
+    )
 
 
 def device_memory(spec_text: str) -> int:
@@ -146,15 +150,27 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
         analysis = policy.lower(params, obs, env_ids, step).compile().memory_analysis()
         actor_seconds += time.time() - start
         # Each actor thread of the device holds its own params copy and runs its own steps.
-        actors[i] = {name: value * args.num_actor_threads for name, value in
-                     dict(temporaries=analysis.temp_size_in_bytes, arguments=analysis.argument_size_in_bytes,
-                          outputs=analysis.output_size_in_bytes).items()}
+        actors[i] = {
+            name: value * args.num_actor_threads
+            for name, value in dict(
+                temporaries=analysis.temp_size_in_bytes,
+                arguments=analysis.argument_size_in_bytes,
+                outputs=analysis.output_size_in_bytes,
+            ).items()
+        }
 
     text = compiled.as_text()
-    return dict(learner=learner, actors=actors, learner_compile_s=learner_seconds, actor_compile_s=actor_seconds,
-                cudnn_convolutions=text.count("__cudnn$conv"), all_reduces=text.count("all-reduce"),
-                update_flops=update_flops(module, args, agent, shuffle_key, state, rollouts, len(learner_devices)),
-                local_devices=len(local), compute_capability=local[0].compute_capability)
+    return dict(
+        learner=learner,
+        actors=actors,
+        learner_compile_s=learner_seconds,
+        actor_compile_s=actor_seconds,
+        cudnn_convolutions=text.count("__cudnn$conv"),
+        all_reduces=text.count("all-reduce"),
+        update_flops=update_flops(module, args, agent, shuffle_key, state, rollouts, len(learner_devices)),
+        local_devices=len(local),
+        compute_capability=local[0].compute_capability,
+    )
 
 
 def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_devices: int) -> float:
@@ -194,31 +210,38 @@ def report(compile_args: CompileArgs, args, figures: dict, memory_bytes: int, pe
     """Prints one row per GPU of host 0; True when every one fits."""
     budget = memory_bytes * memory_fraction()
     gib = 2**30
-    print(f"{compile_args.script} on {compile_args.processes} x {figures['local_devices']} {compile_args.target} "
-          f"(compute capability {figures['compute_capability']}; memory fraction {memory_fraction()}: "
-          f"{budget / gib:.1f} of {memory_bytes / gib:.1f} GiB per GPU); "
-          f"learner compiled in {figures['learner_compile_s']:.1f} s, policy in {figures['actor_compile_s']:.1f} s; "
-          f"{figures['cudnn_convolutions']} cuDNN convolution calls, {figures['all_reduces']} all-reduces")
+    print(
+        f"{compile_args.script} on {compile_args.processes} x {figures['local_devices']} {compile_args.target} "
+        f"(compute capability {figures['compute_capability']}; memory fraction {memory_fraction()}: "
+        f"{budget / gib:.1f} of {memory_bytes / gib:.1f} GiB per GPU); "
+        f"learner compiled in {figures['learner_compile_s']:.1f} s, policy in {figures['actor_compile_s']:.1f} s; "
+        f"{figures['cudnn_convolutions']} cuDNN convolution calls, {figures['all_reduces']} all-reduces"
+    )
     fits = True
     used = set(args.actor_device_ids) | set(args.learner_device_ids)
     print(f"{'GPU':>4}  {'role':<14}{'learner GiB':>12}{'actor GiB':>10}{'total GiB':>10}{'budget GiB':>11}  fits")
     for i in sorted(used):
         learner = sum(figures["learner"].values()) if i in args.learner_device_ids else 0
         actor = sum(figures["actors"].get(i, {}).values())
-        roles = "+".join(role for role, ids in [("actor", args.actor_device_ids), ("learner", args.learner_device_ids)]
-                         if i in ids)
+        roles = "+".join(
+            role for role, ids in [("actor", args.actor_device_ids), ("learner", args.learner_device_ids)] if i in ids
+        )
         ok = learner + actor <= budget
         fits &= ok
-        print(f"{i:>4}  {roles:<14}{learner / gib:>12.2f}{actor / gib:>10.3f}{(learner + actor) / gib:>10.2f}"
-              f"{budget / gib:>11.1f}  {'yes' if ok else 'NO'}")
+        print(
+            f"{i:>4}  {roles:<14}{learner / gib:>12.2f}{actor / gib:>10.3f}{(learner + actor) / gib:>10.2f}"
+            f"{budget / gib:>11.1f}  {'yes' if ok else 'NO'}"
+        )
     learner = figures["learner"]
     print("learner per device: " + ", ".join(f"{k.replace('_', ' ')} {v / gib:.2f} GiB" for k, v in learner.items()))
     devices = len(args.learner_device_ids) * compile_args.processes
     per_step = figures["update_flops"] * devices / args.batch_size
     bound = peak_flops * devices / per_step
-    print(f"flops: {figures['update_flops'] / 1e12:.2f} TFLOP per update per learner device, "
-          f"{per_step / 1e6:.1f} MFLOP per env step; compute bound at the {compile_args.target}'s dense TF32 peak "
-          f"({peak_flops / 1e12:.0f} TFLOP/s) on {devices} learner GPU(s): {bound:,.0f} env steps/s")
+    print(
+        f"flops: {figures['update_flops'] / 1e12:.2f} TFLOP per update per learner device, "
+        f"{per_step / 1e6:.1f} MFLOP per env step; compute bound at the {compile_args.target}'s dense TF32 peak "
+        f"({peak_flops / 1e12:.0f} TFLOP/s) on {devices} learner GPU(s): {bound:,.0f} env steps/s"
+    )
     figures.update(fits=fits, budget_bytes=budget, flops_per_env_step=per_step, compute_bound_sps=bound)
     return fits
 
@@ -240,17 +263,22 @@ def main(argv: list):
     spec_text = (SPECS / spec_file).read_text()
     per_host = max(args.actor_device_ids + args.learner_device_ids) + 1
     if per_host > GPUS_PER_HOST:
-        fail(f"device ids up to {per_host - 1} need {per_host} GPUs per host; a host of {compile_args.target} GPUs "
-             f"holds at most {GPUS_PER_HOST} (ids 0..{GPUS_PER_HOST - 1}): use more --processes instead")
+        fail(
+            f"device ids up to {per_host - 1} need {per_host} GPUs per host; a host of {compile_args.target} GPUs "
+            f"holds at most {GPUS_PER_HOST} (ids 0..{GPUS_PER_HOST - 1}): use more --processes instead"
+        )
     try:
         import jax
         from jax.experimental import topologies
 
-        topology = topologies.get_topology_desc(platform="cuda", target_config=spec_text,
-                                                topology=f"1x{compile_args.processes}x{per_host}")
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=spec_text, topology=f"1x{compile_args.processes}x{per_host}"
+        )
     except Exception as error:  # no CUDA plugin, or a topology it refuses
-        fail(f"cannot build a {compile_args.processes} x {per_host} {compile_args.target} topology ({error}); "
-             f"known targets: {', '.join(TARGETS)}; the CUDA plugin comes with `poetry install --with gpu-compile`")
+        fail(
+            f"cannot build a {compile_args.processes} x {per_host} {compile_args.target} topology ({error}); "
+            f"known targets: {', '.join(TARGETS)}; the CUDA plugin comes with `poetry install --with gpu-compile`"
+        )
     module.fill_runtime_sizes(args, compile_args.processes, 0)
     print(f"jax {jax.__version__}: deviceless compile for {compile_args.target}", flush=True)
     figures = compile_run(module, args, compile_args, topology)

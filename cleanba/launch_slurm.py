@@ -6,6 +6,7 @@
 Every task of an array job runs the command through srun with `--env-id` and `--seed` appended; with
 `--distributed` the script reads its rank and the number of tasks from srun's variables.
 """
+
 import re
 import shlex
 import subprocess
@@ -69,12 +70,22 @@ def check(args: Args):
 
 def render(args: Args) -> str:
     values = {
-        "job_name": args.job_name, "partition": args.partition, "account": args.account, "nodes": args.nodes,
-        "ntasks_per_node": args.ntasks_per_node, "gpus_per_task": args.gpus_per_task or "",
-        "cpus_per_task": args.cpus_per_task or "", "mem": args.mem, "time": args.time,
-        "last_array_index": len(args.env_ids) * len(args.seeds) - 1, "output": args.output,
-        "workdir": shlex.quote(str(args.workdir.resolve())), "env_ids": " ".join(map(shlex.quote, args.env_ids)),
-        "seeds": " ".join(map(str, args.seeds)), "srun_options": args.srun_options, "command": args.command,
+        "job_name": args.job_name,
+        "partition": args.partition,
+        "account": args.account,
+        "nodes": args.nodes,
+        "ntasks_per_node": args.ntasks_per_node,
+        "gpus_per_task": args.gpus_per_task or "",
+        "cpus_per_task": args.cpus_per_task or "",
+        "mem": args.mem,
+        "time": args.time,
+        "last_array_index": len(args.env_ids) * len(args.seeds) - 1,
+        "output": args.output,
+        "workdir": shlex.quote(str(args.workdir.resolve())),
+        "env_ids": " ".join(map(shlex.quote, args.env_ids)),
+        "seeds": " ".join(map(str, args.seeds)),
+        "srun_options": args.srun_options,
+        "command": args.command,
     }
     lines = []
     for line in args.template.read_text().splitlines():

@@ -7,6 +7,7 @@ changes what it learns or how data moves between actors and learner.
 
 A fork changes the algorithm in its own file and rarely needs to read this one.
 """
+
 import faulthandler
 import hashlib
 import os
@@ -64,11 +65,15 @@ def check_flags(args):
     that only act together with another."""
     for name, interval in flag_ranges(args).items():
         if not in_range(getattr(args, name), interval):
-            fail(f"--{name.replace('_', '-')}={getattr(args, name)} is outside its meaningful range {interval}; "
-                 f"give a value in {interval}")
+            fail(
+                f"--{name.replace('_', '-')}={getattr(args, name)} is outside its meaningful range {interval}; "
+                f"give a value in {interval}"
+            )
     if (args.capture_video or args.upload_model) and not (args.save_model and args.eval_episodes):
-        fail("--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
-             "(and keep --eval-episodes above 0)")
+        fail(
+            "--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
+            "(and keep --eval-episodes above 0)"
+        )
     if args.upload_model:  # a missing Hub token must not surface only at the end of a long run
         check_hub_login()
     if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
@@ -78,19 +83,25 @@ def check_flags(args):
     for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
         if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
             fail(f"{flag} {' '.join(map(str, ids))}: give one or more distinct, non-negative local device ids")
-    explicit = {"--coordinator-address": args.coordinator_address, "--num-processes": args.num_processes,
-                "--process-id": args.process_id}
+    explicit = {
+        "--coordinator-address": args.coordinator_address,
+        "--num-processes": args.num_processes,
+        "--process-id": args.process_id,
+    }
     given = [flag for flag, value in explicit.items() if value is not None]
     if given and not args.distributed:
         fail(f"{' '.join(given)} only apply to multi-process runs; add --distributed")
     if (args.num_processes is None) != (args.process_id is None):
         fail("give --num-processes and --process-id together (or neither, under SLURM)")
     if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
-        fail(f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
-             f"{args.num_processes}")
+        fail(
+            f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
+            f"{args.num_processes}"
+        )
     if args.env_id not in envpool.list_all_envs():
-        fail(f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, "
-             "CartPole-v1)")
+        fail(
+            f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, CartPole-v1)"
+        )
 
 
 def check_hub_login():
@@ -98,15 +109,19 @@ def check_hub_login():
     from huggingface_hub import get_token
 
     if get_token() is None:
-        fail("--upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN (a token with write "
-             "access), or leave out --upload-model")
+        fail(
+            "--upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN (a token with write "
+            "access), or leave out --upload-model"
+        )
 
 
 def check_devices(args, num_local_devices: int):
     for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
         if max(ids) >= num_local_devices:
-            fail(f"{flag} {' '.join(map(str, ids))}: this process has {num_local_devices} local device(s), "
-                 f"ids 0..{num_local_devices - 1}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N")
+            fail(
+                f"{flag} {' '.join(map(str, ids))}: this process has {num_local_devices} local device(s), "
+                f"ids 0..{num_local_devices - 1}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N"
+            )
 
 
 GIB = 2**30
@@ -155,8 +170,12 @@ def learner_memory_needs(analysis, queued_rollout_bytes: int) -> dict:
     """Bytes one learner device needs during an update, by part: XLA's analysis of the compiled update (its inputs,
     i.e. the train state and this iteration's rollouts; its outputs; its temporaries) and the next rollouts, which
     wait in the rollout queues meanwhile."""
-    return dict(temporaries=analysis.temp_size_in_bytes, arguments=analysis.argument_size_in_bytes,
-                outputs=analysis.output_size_in_bytes, queued_rollouts=queued_rollout_bytes)
+    return dict(
+        temporaries=analysis.temp_size_in_bytes,
+        arguments=analysis.argument_size_in_bytes,
+        outputs=analysis.output_size_in_bytes,
+        queued_rollouts=queued_rollout_bytes,
+    )
 
 
 def size(n: float) -> str:
@@ -186,8 +205,11 @@ def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulati
     needs: learner_memory_needs of one learner device. accumulation_needs(n): the same with
     --gradient-accumulation-steps n (XLA compiles it), tried for the message only."""
     needed, available, source, fits = memory_shortfall(needs, learner_devices, host_bytes)
-    print(f"learner memory per device (XLA's analysis of the compiled update): {describe_memory(needs)}; "
-          f"needs {size(needed)} of {size(available)} ({source})", flush=True)
+    print(
+        f"learner memory per device (XLA's analysis of the compiled update): {describe_memory(needs)}; "
+        f"needs {size(needed)} of {size(available)} ({source})",
+        flush=True,
+    )
     if fits:
         return
     fixes = []
@@ -201,8 +223,10 @@ def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulati
             fixes.append(f"--gradient-accumulation-steps {steps} (temporaries {size(other['temporaries'])})")
         steps *= 2
     fixes.append("fewer envs per learner device (a smaller --local-num-envs or more --learner-device-ids)")
-    fail(f"the learner needs {size(needed)} but {size(available)} is left ({source}); per learner device: "
-         f"{describe_memory(needs)}. Lower it with {' or '.join(fixes)}; or skip this check with --no-memory-check")
+    fail(
+        f"the learner needs {size(needed)} but {size(available)} is left ({source}); per learner device: "
+        f"{describe_memory(needs)}. Lower it with {' or '.join(fixes)}; or skip this check with --no-memory-check"
+    )
 
 
 def default_run_name(args) -> str:
@@ -235,8 +259,9 @@ def digest(tree) -> str:
 def params_checksum(params):
     """A 24-bit checksum of the params' bits, exact as a logged float (stats/params_checksum): runs that learn the
     same params log the same value. Integer sums do not depend on the order of their additions."""
-    words = jnp.concatenate([jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).ravel()
-                             for x in jax.tree.leaves(params)])
+    words = jnp.concatenate(
+        [jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32).ravel() for x in jax.tree.leaves(params)]
+    )
     total = jnp.sum(words * (2 * jnp.arange(words.size, dtype=jnp.uint32) + 1))  # weighted: positions count
     return (total ^ (total >> 24)) & 0xFFFFFF
 
@@ -245,8 +270,12 @@ def watch_progress(last_progress: list, timeout: float, stop):
     """JAX does not detect a peer that is alive but stuck (e.g. in a collective): abort instead of hanging."""
     while not stop.wait(1.0):
         if time.time() - last_progress[0] > timeout:
-            print(f"error: no iteration completed in {timeout} s (--stall-timeout); a process or device is stuck. "
-                  "Stacks:", file=sys.stderr, flush=True)
+            print(
+                f"error: no iteration completed in {timeout} s (--stall-timeout); a process or device is stuck. "
+                "Stacks:",
+                file=sys.stderr,
+                flush=True,
+            )
             faulthandler.dump_traceback(all_threads=True)
             os._exit(1)  # the main thread is blocked: no orderly shutdown is possible
 
@@ -278,16 +307,34 @@ class IterationLogger:
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=asdict(args), name=run_name, id=run_name, resume="allow", save_code=True)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=asdict(args),
+                name=run_name,
+                id=run_name,
+                resume="allow",
+                save_code=True,
+            )
         self.args, self.writer = args, SummaryWriter(str(run_dir), purge_step=purge_step)
-        self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" +
-                             "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+        self.writer.add_text(
+            "hyperparameters",
+            "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()),
+        )
         self.recent_returns, self.recent_lengths = deque(maxlen=20), deque(maxlen=20)
         self.window_start, self.window_steps = time.time(), 0
 
-    def log(self, iteration: int, infos: list, episodes: np.ndarray, rollout_queue_wait: float,
-            learner_update_time: float, state, metrics: dict):
+    def log(
+        self,
+        iteration: int,
+        infos: list,
+        episodes: np.ndarray,
+        rollout_queue_wait: float,
+        learner_update_time: float,
+        state,
+        metrics: dict,
+    ):
         """infos: the actors' RolloutInfo. episodes: (2, T, num_envs) returns and lengths of the games of all envs
         that ended (NaN elsewhere)."""
         args, writer = self.args, self.writer
@@ -317,8 +364,9 @@ class IterationLogger:
         sps = self.window_steps / (time.time() - self.window_start)
         self.window_start, self.window_steps = time.time(), 0
         # By name, wherever the optimizer chain keeps it (inject_hyperparams's value, not its schedule's state).
-        learning_rate = optax.tree_utils.tree_get(state.opt_state, "learning_rate",
-                                                  filtering=lambda _, value: isinstance(value, jax.Array))
+        learning_rate = optax.tree_utils.tree_get(
+            state.opt_state, "learning_rate", filtering=lambda _, value: isinstance(value, jax.Array)
+        )
         learning_rate = jax.device_get(first_replica(learning_rate))
         writer.add_scalar("charts/SPS", sps, global_step)
         writer.add_scalar("charts/learning_rate", float(learning_rate), global_step)
@@ -328,10 +376,13 @@ class IterationLogger:
             writer.add_scalar("charts/episodic_return", np.mean(self.recent_returns), global_step)
             writer.add_scalar("charts/episodic_length", np.mean(self.recent_lengths), global_step)
         eta = (args.num_iterations - iteration) * args.batch_size / sps
-        print(f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
-              f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
-              f"lag {stats['learner_policy_version'] - stats['actor_policy_version']} | "
-              f"ETA {format_duration(eta)}", flush=True)
+        print(
+            f"step {global_step:,}/{args.num_iterations * args.batch_size:,} "
+            f"({100 * iteration / args.num_iterations:.0f}%) | SPS {sps:,.0f} | return {recent} | "
+            f"lag {stats['learner_policy_version'] - stats['actor_policy_version']} | "
+            f"ETA {format_duration(eta)}",
+            flush=True,
+        )
 
     def close(self):
         self.writer.close()

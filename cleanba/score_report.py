@@ -32,6 +32,7 @@ the aggregates), aggregates.csv and aggregates.md (per variant: the four metrics
     per_game.png    300 x 240 per game, up to 8 games a row, plus a 60 px legend band on top
     intervals.png   1400 x (130 + 45 per variant): rliable's interval plot of the four metrics
 """
+
 import ast
 import math
 import sys
@@ -52,8 +53,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 ATARI_SCORES = Path(__file__).with_name("atari_scores.csv")
 HYPERPARAMETERS_TAG = "hyperparameters/text_summary"  # where SummaryWriter.add_text("hyperparameters") lands
-METRICS = {"median": metrics.aggregate_median, "iqm": metrics.aggregate_iqm, "mean": metrics.aggregate_mean,
-           "optimality_gap": metrics.aggregate_optimality_gap}
+METRICS = {
+    "median": metrics.aggregate_median,
+    "iqm": metrics.aggregate_iqm,
+    "mean": metrics.aggregate_mean,
+    "optimality_gap": metrics.aggregate_optimality_gap,
+}
 METRIC_TITLES = {"median": "Median", "iqm": "IQM", "mean": "Mean", "optimality_gap": "Optimality Gap"}
 
 # Figure sizes in pixels at DPI, saved without bbox_inches="tight" so that the files have exactly these sizes.
@@ -160,8 +165,12 @@ def read_event_file(path: Path):
     if HYPERPARAMETERS_TAG in tags["tensors"]:
         text = accumulator.Tensors(HYPERPARAMETERS_TAG)[0].tensor_proto.string_val[0].decode()
         hyperparameters = parse_hyperparameters(text)
-    scalars = {tag: pd.DataFrame([(e.step, e.value, e.wall_time) for e in accumulator.Scalars(tag)],
-                                 columns=["step", "value", "wall_time"]) for tag in tags["scalars"]}
+    scalars = {
+        tag: pd.DataFrame(
+            [(e.step, e.value, e.wall_time) for e in accumulator.Scalars(tag)], columns=["step", "value", "wall_time"]
+        )
+        for tag in tags["scalars"]
+    }
     return hyperparameters, first_time, scalars
 
 
@@ -180,8 +189,10 @@ def merge_event_files(files: list) -> dict:
         for tag, frame in scalars.items():
             frame = frame.assign(hours=offset + (frame.wall_time - first_time) / 3600).drop(columns="wall_time")
             merged[tag] = pd.concat([merged[tag], frame]) if tag in merged else frame
-    return {tag: frame.drop_duplicates("step", keep="last").sort_values("step", ignore_index=True)
-            for tag, frame in merged.items()}
+    return {
+        tag: frame.drop_duplicates("step", keep="last").sort_values("step", ignore_index=True)
+        for tag, frame in merged.items()
+    }
 
 
 def read_run(directory: Path) -> Run:
@@ -199,17 +210,20 @@ def device_ids(value: str) -> str:
 
 def layout_label(hyperparameters: dict) -> str:
     """The device layout as the README writes it: a<actor ids>-l<learner ids>-d<processes>, e.g. a0-l1,2-d1."""
-    return (f"a{device_ids(hyperparameters['actor_device_ids'])}-l{device_ids(hyperparameters['learner_device_ids'])}"
-            f"-d{hyperparameters['world_size']}")
+    return (
+        f"a{device_ids(hyperparameters['actor_device_ids'])}-l{device_ids(hyperparameters['learner_device_ids'])}"
+        f"-d{hyperparameters['world_size']}"
+    )
 
 
 def variant_name(run: Run, keys: list) -> str:
     missing = [key for key in keys if key != "layout" and key not in run.hyperparameters]
     if missing:
-        fail(f"--variant-key {' '.join(missing)}: not among the hyperparameters of {run.path} "
-             f"({', '.join(run.hyperparameters)})")
-    return "/".join(layout_label(run.hyperparameters) if key == "layout" else run.hyperparameters[key]
-                    for key in keys)
+        fail(
+            f"--variant-key {' '.join(missing)}: not among the hyperparameters of {run.path} "
+            f"({', '.join(run.hyperparameters)})"
+        )
+    return "/".join(layout_label(run.hyperparameters) if key == "layout" else run.hyperparameters[key] for key in keys)
 
 
 def load_runs(paths: list, tag: str) -> list:
@@ -258,9 +272,11 @@ def load_references(extra: Path | None) -> pd.DataFrame:
 def check_references(env_ids: set, references: pd.DataFrame):
     missing = sorted(env_ids - set(references.index))
     if missing:
-        fail(f"no random and human reference scores for {', '.join(missing)}; add them with --reference-scores "
-             f"FILE.csv (columns env_id,random,human, e.g. CartPole-v1,22,500) or report raw scores with "
-             f"--normalization none")
+        fail(
+            f"no random and human reference scores for {', '.join(missing)}; add them with --reference-scores "
+            f"FILE.csv (columns env_id,random,human, e.g. CartPole-v1,22,500) or report raw scores with "
+            f"--normalization none"
+        )
 
 
 def normalize(values, env_id: str, references: pd.DataFrame | None):
@@ -283,9 +299,17 @@ def score_table(runs: list, variants: list, args: Args, references: pd.DataFrame
     for run, variant in zip(runs, variants):
         curve, env_id = run.scalars[args.tag], run.hyperparameters["env_id"]
         score = final_score(curve, args.final_fraction)
-        rows.append(dict(variant=variant, env_id=env_id, seed=int(run.hyperparameters["seed"]),
-                         final_step=int(curve.step.iloc[-1]), score=score,
-                         normalized_score=normalize(score, env_id, references), run_dir=str(run.path)))
+        rows.append(
+            dict(
+                variant=variant,
+                env_id=env_id,
+                seed=int(run.hyperparameters["seed"]),
+                final_step=int(curve.step.iloc[-1]),
+                score=score,
+                normalized_score=normalize(score, env_id, references),
+                run_dir=str(run.path),
+            )
+        )
     return pd.DataFrame(rows).sort_values(["variant", "env_id", "seed"], ignore_index=True)
 
 
@@ -296,10 +320,15 @@ def check_duplicates(table: pd.DataFrame):
     duplicated = table[table.duplicated(["variant", "env_id", "seed"], keep=False)]
     if len(duplicated):
         first = duplicated.iloc[0]
-        directories = duplicated[(duplicated.variant == first.variant) & (duplicated.env_id == first.env_id)
-                                 & (duplicated.seed == first.seed)].run_dir
-        fail(f"several runs of variant '{first.variant}', {first.env_id}, seed {first.seed}: "
-             f"{', '.join(directories)}; pass only one of them, or tell them apart with --variant-key")
+        directories = duplicated[
+            (duplicated.variant == first.variant)
+            & (duplicated.env_id == first.env_id)
+            & (duplicated.seed == first.seed)
+        ].run_dir
+        fail(
+            f"several runs of variant '{first.variant}', {first.env_id}, seed {first.seed}: "
+            f"{', '.join(directories)}; pass only one of them, or tell them apart with --variant-key"
+        )
 
 
 def seed_list(seeds) -> str:
@@ -313,8 +342,10 @@ def common_games(table: pd.DataFrame) -> list:
     games = set.intersection(*games_of.values())
     for variant, variant_games in games_of.items():
         for game in sorted(set(table.env_id) - variant_games):
-            warn(f"variant '{variant}' has no run of {game} (expected seeds {seed_list(all_seeds)}); {game} is "
-                 f"left out of the aggregates of every variant, which compare variants on the same games")
+            warn(
+                f"variant '{variant}' has no run of {game} (expected seeds {seed_list(all_seeds)}); {game} is "
+                f"left out of the aggregates of every variant, which compare variants on the same games"
+            )
     if not games:
         fail("no game has runs of every variant, so there is nothing to compare; see the warnings above")
     return sorted(games)
@@ -327,15 +358,18 @@ def complete_seeds(table: pd.DataFrame, variant: str, games: list) -> list:
     seeds_of = {game: set(rows.seed[rows.env_id == game]) for game in games}
     for game, seeds in seeds_of.items():
         if seeds != all_seeds:
-            warn(f"variant '{variant}', {game}: missing seed(s) {seed_list(all_seeds - seeds)} "
-                 f"(has {seed_list(seeds)})")
+            warn(
+                f"variant '{variant}', {game}: missing seed(s) {seed_list(all_seeds - seeds)} (has {seed_list(seeds)})"
+            )
     seeds = set.intersection(*seeds_of.values())
     dropped = set(rows.seed) - seeds
     if not seeds:
         fail(f"variant '{variant}' has no seed with a run of every one of {', '.join(games)}")
     if dropped:
-        warn(f"variant '{variant}': seed(s) {seed_list(dropped)} left out of its aggregates (an aggregate needs "
-             f"each seed on every game); they use seed(s) {seed_list(seeds)}")
+        warn(
+            f"variant '{variant}': seed(s) {seed_list(dropped)} left out of its aggregates (an aggregate needs "
+            f"each seed on every game); they use seed(s) {seed_list(seeds)}"
+        )
     return sorted(seeds)
 
 
@@ -356,14 +390,21 @@ def mark_used(table: pd.DataFrame) -> pd.DataFrame:
 def score_matrices(table: pd.DataFrame) -> dict:
     """variant -> (seeds x games) matrix of normalized final scores, games in name order, as rliable takes it."""
     used = table[table.used]
-    return {variant: group.pivot(index="seed", columns="env_id", values="normalized_score").to_numpy()
-            for variant, group in used.groupby("variant")}
+    return {
+        variant: group.pivot(index="seed", columns="env_id", values="normalized_score").to_numpy()
+        for variant, group in used.groupby("variant")
+    }
 
 
 def interval_estimates(score_dict: dict, func, reps: int, args: Args):
     """rliable's stratified bootstrap (runs resampled within each game), seeded so reruns give the same CIs."""
-    return library.get_interval_estimates(score_dict, func, reps=reps, confidence_interval_size=args.confidence,
-                                          random_state=np.random.RandomState(args.seed))
+    return library.get_interval_estimates(
+        score_dict,
+        func,
+        reps=reps,
+        confidence_interval_size=args.confidence,
+        random_state=np.random.RandomState(args.seed),
+    )
 
 
 def all_metrics(scores: np.ndarray) -> np.ndarray:
@@ -375,8 +416,13 @@ def aggregates_frame(points: dict, intervals: dict, matrices: dict) -> pd.DataFr
     for variant, matrix in matrices.items():
         row = dict(variant=variant, games=matrix.shape[1], seeds=matrix.shape[0])
         for index, name in enumerate(METRICS):
-            row.update({name: points[variant][index], f"{name}_ci_low": intervals[variant][0, index],
-                        f"{name}_ci_high": intervals[variant][1, index]})
+            row.update(
+                {
+                    name: points[variant][index],
+                    f"{name}_ci_low": intervals[variant][0, index],
+                    f"{name}_ci_high": intervals[variant][1, index],
+                }
+            )
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -385,12 +431,16 @@ def markdown_table(aggregates: pd.DataFrame, args: Args) -> str:
     header = ["variant", "games", "seeds", *METRIC_TITLES.values()]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in aggregates.itertuples():
-        cells = [f"{getattr(row, name):.3f} [{getattr(row, name + '_ci_low'):.3f}, "
-                 f"{getattr(row, name + '_ci_high'):.3f}]" for name in METRICS]
+        cells = [
+            f"{getattr(row, name):.3f} [{getattr(row, name + '_ci_low'):.3f}, {getattr(row, name + '_ci_high'):.3f}]"
+            for name in METRICS
+        ]
         lines.append(f"| {row.variant} | {row.games} | {row.seeds} | " + " | ".join(cells) + " |")
     scores = "human-normalized scores" if args.normalization == "hns" else f"raw scores of {args.tag}"
-    note = (f"\nOver {scores}: point estimate [{100 * args.confidence:g}% stratified bootstrap CI]. Optimality gap: "
-            "the mean shortfall below a score of 1, human level (lower is better).\n")
+    note = (
+        f"\nOver {scores}: point estimate [{100 * args.confidence:g}% stratified bootstrap CI]. Optimality gap: "
+        "the mean shortfall below a score of 1, human level (lower is better).\n"
+    )
     return "\n".join(lines) + "\n" + note
 
 
@@ -406,8 +456,9 @@ def overlap_grid(curves: list, points: int) -> np.ndarray | None:
 def run_curve(run: Run, tag: str, axis: str, references: pd.DataFrame | None):
     """(x, y): the run's normalized tag against env steps (axis "step") or hours of training (axis "hours")."""
     frame = run.scalars[tag]
-    return frame[axis].to_numpy(float), normalize(frame.value.to_numpy(float), run.hyperparameters["env_id"],
-                                                  references)
+    return frame[axis].to_numpy(float), normalize(
+        frame.value.to_numpy(float), run.hyperparameters["env_id"], references
+    )
 
 
 def curve_tensors(table: pd.DataFrame, runs_by_dir: dict, axis: str, args: Args, references) -> dict:
@@ -432,8 +483,9 @@ def aggregate_curves(tensors: dict, args: Args) -> dict:
     def per_point(scores: np.ndarray) -> np.ndarray:  # (seeds x games x points) -> the metric at each point
         return np.array([metric(scores[..., k]) for k in range(scores.shape[-1])])
 
-    points, intervals = interval_estimates({variant: values for variant, (_, values) in tensors.items()},
-                                           per_point, args.curve_reps, args)
+    points, intervals = interval_estimates(
+        {variant: values for variant, (_, values) in tensors.items()}, per_point, args.curve_reps, args
+    )
     return {variant: (grid, points[variant], *intervals[variant]) for variant, (grid, _) in tensors.items()}
 
 
@@ -467,8 +519,9 @@ def plot_aggregate_curves(curves: dict, xlabel: str, path: Path, colors: dict, a
         axis.fill_between(grid, low, high, color=colors[variant], alpha=0.2)
     axis.set_xlabel(xlabel)
     axis.set_ylabel(f"{METRIC_TITLES[args.curve_metric]} {score_label(args)}")
-    axis.set_title(f"{METRIC_TITLES[args.curve_metric]} over {games} game(s), "
-                   f"{100 * args.confidence:g}% stratified bootstrap CI")
+    axis.set_title(
+        f"{METRIC_TITLES[args.curve_metric]} over {games} game(s), {100 * args.confidence:g}% stratified bootstrap CI"
+    )
     axis.grid(alpha=0.25)
     if curves:
         axis.legend(loc="best")
@@ -482,7 +535,8 @@ def per_game_lines(runs: list, variants: list, tag: str):
     for run, variant in zip(runs, variants):
         frame = run.scalars[tag]
         curves.setdefault(run.hyperparameters["env_id"], {}).setdefault(variant, []).append(
-            (frame.step.to_numpy(float), frame.value.to_numpy(float)))
+            (frame.step.to_numpy(float), frame.value.to_numpy(float))
+        )
     lines = {}
     for game, by_variant in sorted(curves.items()):
         for variant, seed_curves in sorted(by_variant.items()):
@@ -507,11 +561,17 @@ def plot_per_game(lines: dict, path: Path, colors: dict, tag: str):
         axis.set_title(game, fontsize="medium")
         axis.tick_params(labelsize="small")
         axis.xaxis.get_offset_text().set_fontsize("small")
-    for axis in axes.flat[len(lines):]:
+    for axis in axes.flat[len(lines) :]:
         axis.axis("off")
-    figure.legend(handles=[plt.Line2D([], [], color=color, label=variant) for variant, color in colors.items()],
-                  loc="upper center", ncol=min(len(colors), 6), frameon=False, fontsize="small",
-                  title="mean over seeds, min-max shaded", title_fontsize="small")
+    figure.legend(
+        handles=[plt.Line2D([], [], color=color, label=variant) for variant, color in colors.items()],
+        loc="upper center",
+        ncol=min(len(colors), 6),
+        frameon=False,
+        fontsize="small",
+        title="mean over seeds, min-max shaded",
+        title_fontsize="small",
+    )
     figure.supxlabel("environment steps", fontsize="small")
     figure.supylabel(tag, fontsize="small")
     figure.tight_layout(rect=(0, 0, 1, 1 - LEGEND_BAND / height))
@@ -521,9 +581,15 @@ def plot_per_game(lines: dict, path: Path, colors: dict, tag: str):
 def plot_intervals(points: dict, intervals: dict, path: Path, colors: dict, args: Args):
     variants = list(points)
     height = INTERVALS_BASE_HEIGHT + INTERVALS_ROW_HEIGHT * len(variants)
-    figure, _ = plot_utils.plot_interval_estimates(points, intervals, list(METRIC_TITLES.values()), variants,
-                                                   colors=colors, xlabel=score_label(args),
-                                                   xlabel_y_coordinate=8 / height)
+    figure, _ = plot_utils.plot_interval_estimates(
+        points,
+        intervals,
+        list(METRIC_TITLES.values()),
+        variants,
+        colors=colors,
+        xlabel=score_label(args),
+        xlabel_y_coordinate=8 / height,
+    )
     figure.set_size_inches(INTERVALS_WIDTH / DPI, height / DPI)
     figure.set_dpi(DPI)
     # rliable lays the figure out for bbox_inches="tight"; fit it to the fixed canvas instead, above the x label.
@@ -536,7 +602,8 @@ def plot_intervals(points: dict, intervals: dict, path: Path, colors: dict, args
 
 def write_tables(table: pd.DataFrame, aggregates: pd.DataFrame, markdown: str, out_dir: Path):
     table[["variant", "env_id", "seed", "final_step", "score", "normalized_score", "used", "run_dir"]].to_csv(
-        out_dir / "scores.csv", index=False)
+        out_dir / "scores.csv", index=False
+    )
     aggregates.to_csv(out_dir / "aggregates.csv", index=False)
     (out_dir / "aggregates.md").write_text(markdown)
 
@@ -560,8 +627,10 @@ def main(args: Args):
     colors = variant_colors(set(variants))
     runs_by_dir = {str(run.path): run for run in runs}
     games = table[table.used].env_id.nunique()
-    for axis, xlabel, name in [("step", "environment steps", "aggregate_vs_steps.png"),
-                               ("hours", "wall-clock hours of training", "aggregate_vs_time.png")]:
+    for axis, xlabel, name in [
+        ("step", "environment steps", "aggregate_vs_steps.png"),
+        ("hours", "wall-clock hours of training", "aggregate_vs_time.png"),
+    ]:
         curves = aggregate_curves(curve_tensors(table, runs_by_dir, axis, args, references), args)
         plot_aggregate_curves(curves, xlabel, args.out_dir / name, colors, args, games)
     plot_per_game(per_game_lines(runs, variants, args.tag), args.out_dir / "per_game.png", colors, args.tag)

@@ -14,6 +14,7 @@ nn.max_pool as they are. tests/test_network.py checks both against flax.
 - max_pool: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") without XLA:CPU's slow select_and_scatter, whose
   gradient was 30% of the default network's gradient time; this one costs at most a third of that.
 """
+
 from functools import partial, reduce
 
 import jax
@@ -22,25 +23,49 @@ import jax.numpy as jnp
 EIGEN_LAYOUT = ("NHWC", "HWIO", "NHWC")
 
 
-def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-                         dimension_numbers=None, feature_group_count=1, precision=None, **kwargs):
+def conv_general_dilated(
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=None,
+    rhs_dilation=None,
+    dimension_numbers=None,
+    feature_group_count=1,
+    precision=None,
+    **kwargs,
+):
     """jax.lax.conv_general_dilated, with the gradients below for what the IMPALA ResNet uses (stride 1, no
     dilation, no feature groups, NHWC inputs and HWIO kernels, as nn.Conv passes them); anything else unchanged."""
-    plain = (tuple(window_strides) == (1, 1) and all(d in (None, 1, (1, 1)) for d in (lhs_dilation, rhs_dilation))
-             and feature_group_count == 1 and not kwargs and lhs.ndim == 4
-             and jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-             == jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, EIGEN_LAYOUT))
+    plain = (
+        tuple(window_strides) == (1, 1)
+        and all(d in (None, 1, (1, 1)) for d in (lhs_dilation, rhs_dilation))
+        and feature_group_count == 1
+        and not kwargs
+        and lhs.ndim == 4
+        and jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+        == jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, EIGEN_LAYOUT)
+    )
     if not plain:
-        return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-                                            dimension_numbers, feature_group_count, precision=precision, **kwargs)
+        return jax.lax.conv_general_dilated(
+            lhs,
+            rhs,
+            window_strides,
+            padding,
+            lhs_dilation,
+            rhs_dilation,
+            dimension_numbers,
+            feature_group_count,
+            precision=precision,
+            **kwargs,
+        )
     if isinstance(padding, str):
         padding = jax.lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], (1, 1), padding)
     return eigen_conv(lhs, rhs, tuple(tuple(int(p) for p in pair) for pair in padding), precision)
 
 
 def conv(x, kernel, padding, precision):
-    return jax.lax.conv_general_dilated(x, kernel, (1, 1), padding, dimension_numbers=EIGEN_LAYOUT,
-                                        precision=precision)
+    return jax.lax.conv_general_dilated(x, kernel, (1, 1), padding, dimension_numbers=EIGEN_LAYOUT, precision=precision)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -74,7 +99,7 @@ def pool_windows(x):
     pad_h, pad_w = 2 * out_h + 1 - x.shape[1], 2 * out_w + 1 - x.shape[2]
     pads = ((0, 0), (pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0))
     x = jnp.pad(x, pads, constant_values=-jnp.inf)
-    return [x[:, i:i + 2 * out_h:2, j:j + 2 * out_w:2] for i in range(3) for j in range(3)], pads
+    return [x[:, i : i + 2 * out_h : 2, j : j + 2 * out_w : 2] for i in range(3) for j in range(3)], pads
 
 
 def interleave(even, odd, axis: int):
@@ -114,8 +139,7 @@ def max_pool_backward(residuals, dy):
     even_odd = place(7, late, none) + place(1, early, none)
     odd_even = place(5, none, late) + place(3, none, early)
     dx = interleave(interleave(even_even, even_odd, 2), interleave(odd_even, share[4], 2), 1)
-    return (dx[:, pads[1][0]:pads[1][0] + x.shape[1], pads[2][0]:pads[2][0] + x.shape[2]],)
+    return (dx[:, pads[1][0] : pads[1][0] + x.shape[1], pads[2][0] : pads[2][0] + x.shape[2]],)
 
 
 max_pool.defvjp(max_pool_forward, max_pool_backward)
-

@@ -1,4 +1,5 @@
 """Helpers shared by the tests: run a training script as a subprocess and read back what it logged."""
+
 import os
 import socket
 import subprocess
@@ -21,10 +22,32 @@ LOSS_TAGS = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/e
 # Tiny settings: CartPole with a small MLP, a few iterations. Sizes are per script so that the same layouts
 # work for both (IMPALA needs local_num_envs divisible by learner devices x minibatches).
 TINY = {
-    "ppo": ["--env-id", "CartPole-v1", "--hidden-dim", "16", "--num-steps", "16", "--num-minibatches", "2",
-            "--update-epochs", "2", "--log-frequency", "1"],
-    "impala": ["--env-id", "CartPole-v1", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2",
-               "--log-frequency", "1"],
+    "ppo": [
+        "--env-id",
+        "CartPole-v1",
+        "--hidden-dim",
+        "16",
+        "--num-steps",
+        "16",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
+        "--log-frequency",
+        "1",
+    ],
+    "impala": [
+        "--env-id",
+        "CartPole-v1",
+        "--hidden-dim",
+        "16",
+        "--num-steps",
+        "8",
+        "--num-minibatches",
+        "2",
+        "--log-frequency",
+        "1",
+    ],
 }
 
 
@@ -46,11 +69,18 @@ def script_command(script: str, args: list) -> list:
     return [sys.executable, str(SCRIPTS[script]), *map(str, args)]
 
 
-def run_script(script: str, args: list, tmp_path: Path, devices: int = 1, timeout: float = 240,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, args: list, tmp_path: Path, devices: int = 1, timeout: float = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run a training script in tmp_path and wait for it; returns the finished process."""
-    return subprocess.run(script_command(script, args), cwd=tmp_path, env=script_env(devices, env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        script_command(script, args),
+        cwd=tmp_path,
+        env=script_env(devices, env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def free_port() -> int:
@@ -71,11 +101,25 @@ def start_pair(script, tmp_path, args, explicit=True, heartbeat_timeout=100, dev
             env = {}
         else:  # what srun sets for a 2-task step on one node; jax.distributed.initialize() detects it
             flags = []
-            env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
-                   "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_PORT": str(port)}
+            env = {
+                "SLURM_JOB_ID": "4242",
+                "SLURM_STEP_NODELIST": "localhost",
+                "SLURM_NTASKS": "2",
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(rank),
+                "JAX_COORDINATOR_PORT": str(port),
+            }
         command = script_command(script, [*args, "--distributed", "--heartbeat-timeout", heartbeat_timeout, *flags])
-        processes.append(subprocess.Popen(command, cwd=directory, env=script_env(devices, env), text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        processes.append(
+            subprocess.Popen(
+                command,
+                cwd=directory,
+                env=script_env(devices, env),
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     return processes
 
 

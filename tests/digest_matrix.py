@@ -8,6 +8,7 @@ The matrix: both scripts; CartPole and a tiny Breakout (gradient accumulation 2)
 concurrency on and off; with and without --exact; and a run resumed from a checkpoint written mid-run, per script
 and env. Digests are of one machine and jaxlib: compare runs made on the same ones, not across machines.
 """
+
 import json
 import re
 import shutil
@@ -24,13 +25,43 @@ from conftest import script_command, script_env
 
 ITERATIONS = 6
 SIZES = {  # (script, env): flags, steps per env per iteration
-    ("ppo", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "16", "--num-minibatches", "2",
-                              "--update-epochs", "2"], 16),
+    ("ppo", "CartPole-v1"): (
+        ["--hidden-dim", "16", "--num-steps", "16", "--num-minibatches", "2", "--update-epochs", "2"],
+        16,
+    ),
     ("impala", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2"], 8),
-    ("ppo", "Breakout-v5"): (["--channels", "4", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2",
-                              "--update-epochs", "1", "--gradient-accumulation-steps", "2"], 8),
-    ("impala", "Breakout-v5"): (["--channels", "4", "--hidden-dim", "16", "--num-steps", "8",
-                                 "--num-minibatches", "2", "--gradient-accumulation-steps", "2"], 8),
+    ("ppo", "Breakout-v5"): (
+        [
+            "--channels",
+            "4",
+            "--hidden-dim",
+            "16",
+            "--num-steps",
+            "8",
+            "--num-minibatches",
+            "2",
+            "--update-epochs",
+            "1",
+            "--gradient-accumulation-steps",
+            "2",
+        ],
+        8,
+    ),
+    ("impala", "Breakout-v5"): (
+        [
+            "--channels",
+            "4",
+            "--hidden-dim",
+            "16",
+            "--num-steps",
+            "8",
+            "--num-minibatches",
+            "2",
+            "--gradient-accumulation-steps",
+            "2",
+        ],
+        8,
+    ),
 }
 LAYOUTS = {"a0-l0": [], "a0-l1,2": ["--actor-device-ids", "0", "--learner-device-ids", "1", "2"]}
 ENVS, THREADS = 4, 2
@@ -38,8 +69,21 @@ ENVS, THREADS = 4, 2
 
 def flags(script: str, env_id: str, iterations: int = ITERATIONS) -> list:
     sizes, steps = SIZES[script, env_id]
-    return [*sizes, "--env-id", env_id, "--seed", "5", "--local-num-envs", ENVS, "--num-actor-threads", THREADS,
-            "--total-timesteps", iterations * ENVS * THREADS * steps, "--log-frequency", "1"]
+    return [
+        *sizes,
+        "--env-id",
+        env_id,
+        "--seed",
+        "5",
+        "--local-num-envs",
+        ENVS,
+        "--num-actor-threads",
+        THREADS,
+        "--total-timesteps",
+        iterations * ENVS * THREADS * steps,
+        "--log-frequency",
+        "1",
+    ]
 
 
 def final_digest(output: str) -> str:
@@ -50,8 +94,9 @@ def final_digest(output: str) -> str:
 
 
 def run(script: str, args: list, directory: Path) -> str:
-    process = subprocess.run(script_command(script, args), cwd=directory, env=script_env(3), capture_output=True,
-                             text=True, timeout=600)
+    process = subprocess.run(
+        script_command(script, args), cwd=directory, env=script_env(3), capture_output=True, text=True, timeout=600
+    )
     if process.returncode:
         raise RuntimeError(f"{script} {args}: exit {process.returncode}\n{process.stdout}\n{process.stderr}")
     return final_digest(process.stdout)
@@ -74,8 +119,14 @@ def resume_case(name: str) -> str:
     with tempfile.TemporaryDirectory() as directory:
         directory = Path(directory)
         checkpoint = directory / "runs" / "resume" / "checkpoint.msgpack"
-        process = subprocess.Popen(script_command(script, args), cwd=directory, env=script_env(3), text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            script_command(script, args),
+            cwd=directory,
+            env=script_env(3),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         kept = None
         while process.poll() is None and kept is None:
             if checkpoint.exists():
@@ -85,8 +136,14 @@ def resume_case(name: str) -> str:
         if process.returncode or kept is None:
             raise RuntimeError(f"{name}: exit {process.returncode}, checkpoint seen: {kept is not None}\n{output}")
         checkpoint.write_bytes(kept)
-        resumed = subprocess.run(script_command(script, [*args, "--resume"]), cwd=directory, env=script_env(3),
-                                 capture_output=True, text=True, timeout=600)
+        resumed = subprocess.run(
+            script_command(script, [*args, "--resume"]),
+            cwd=directory,
+            env=script_env(3),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         line = re.search(r"resumed .* at iteration (\d+)", resumed.stdout)
         if resumed.returncode or not line:
             raise RuntimeError(f"{name} resume: exit {resumed.returncode}\n{resumed.stdout}\n{resumed.stderr}")
@@ -97,11 +154,18 @@ def resume_case(name: str) -> str:
 
 
 def matrix(only: str = "") -> dict:
-    names = [" ".join(c) for c in product(["ppo", "impala"], ["CartPole-v1", "Breakout-v5"], LAYOUTS,
-                                          ["conc", "sync"], ["exact", "plain"]) if only in " ".join(c)]
-    resumes = [f"{script} {env_id} resume" for script, env_id in product(["ppo", "impala"],
-                                                                        ["CartPole-v1", "Breakout-v5"])
-               if only in f"{script} {env_id} resume"]
+    names = [
+        " ".join(c)
+        for c in product(
+            ["ppo", "impala"], ["CartPole-v1", "Breakout-v5"], LAYOUTS, ["conc", "sync"], ["exact", "plain"]
+        )
+        if only in " ".join(c)
+    ]
+    resumes = [
+        f"{script} {env_id} resume"
+        for script, env_id in product(["ppo", "impala"], ["CartPole-v1", "Breakout-v5"])
+        if only in f"{script} {env_id} resume"
+    ]
     with ThreadPoolExecutor(2) as pool:
         digests = dict(zip(names, pool.map(case, names)))
         digests.update(zip(resumes, pool.map(resume_case, resumes)))

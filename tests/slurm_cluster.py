@@ -1,5 +1,6 @@
 """A real single-node SLURM cluster for the tests: munged, slurmctld and slurmd from Debian's slurm-wlm and
 munge packages (.ci/run installs them), configured in a temporary directory and stopped afterwards."""
+
 import os
 import shutil
 import socket
@@ -42,8 +43,10 @@ def munge_works() -> bool:
     if not shutil.which("munge"):
         return False
     encoded = subprocess.run(["munge", "-n"], capture_output=True)
-    return encoded.returncode == 0 and subprocess.run(["unmunge"], input=encoded.stdout,
-                                                      capture_output=True).returncode == 0
+    return (
+        encoded.returncode == 0
+        and subprocess.run(["unmunge"], input=encoded.stdout, capture_output=True).returncode == 0
+    )
 
 
 def start_munge():
@@ -61,8 +64,9 @@ def start_munge():
 
 def job_tasks(scontrol_output: str) -> list:
     """Fields of `scontrol -o show job` for every task of a job (array tasks included)."""
-    return [dict(field.split("=", 1) for field in line.split() if "=" in field)
-            for line in scontrol_output.splitlines()]
+    return [
+        dict(field.split("=", 1) for field in line.split() if "=" in field) for line in scontrol_output.splitlines()
+    ]
 
 
 ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED")
@@ -100,17 +104,23 @@ class SlurmCluster:
     def start(self):
         missing = [tool for tool in ["sbatch", "slurmctld", "slurmd", "munged"] if not shutil.which(tool)]
         if missing:
-            raise RuntimeError(f"SLURM is not installed ({', '.join(missing)} missing): "
-                               "apt-get install slurm-wlm munge, as .ci/run does")
+            raise RuntimeError(
+                f"SLURM is not installed ({', '.join(missing)} missing): "
+                "apt-get install slurm-wlm munge, as .ci/run does"
+            )
         start_munge()
         for directory in ["state", "spool"]:
             (self.root / directory).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname().split(".")[0]
-        self.conf.write_text(SLURM_CONF.format(host=host, root=self.root, cpus=os.cpu_count(),
-                                               ctld_port=free_port(), d_port=free_port()))
-        self.daemons = [subprocess.Popen([daemon, "-D", "-f", str(self.conf)], env=self.env,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                        for daemon in ["slurmctld", "slurmd"]]
+        self.conf.write_text(
+            SLURM_CONF.format(host=host, root=self.root, cpus=os.cpu_count(), ctld_port=free_port(), d_port=free_port())
+        )
+        self.daemons = [
+            subprocess.Popen(
+                [daemon, "-D", "-f", str(self.conf)], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            for daemon in ["slurmctld", "slurmd"]
+        ]
         deadline = time.time() + 60
         while time.time() < deadline:
             state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
@@ -123,8 +133,11 @@ class SlurmCluster:
         return "\n".join(path.read_text() for path in self.root.glob("*.log"))
 
     def job_state(self, job_id: str) -> list:
-        return job_tasks(subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True,
-                                        text=True).stdout)
+        return job_tasks(
+            subprocess.run(
+                ["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True, text=True
+            ).stdout
+        )
 
     def wait(self, job_id: str, timeout: float) -> list:
         return wait_for_job(self.job_state, job_id, timeout)

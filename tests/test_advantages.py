@@ -1,4 +1,5 @@
 """GAE and V-trace of the scripts against plain loops written from the papers' equations."""
+
 import numpy as np
 import pytest
 
@@ -62,8 +63,8 @@ def test_gae_ignores_what_follows_an_episode_end():
     ends = np.flatnonzero(terminations[:, j] | truncations[:, j])
     t = ends[0]
     rewards2, values2 = rewards.copy(), values.copy()
-    rewards2[t + 1:, j] += 10.0
-    values2[t + 2:, j] -= 7.0
+    rewards2[t + 1 :, j] += 10.0
+    values2[t + 2 :, j] -= 7.0
     if terminations[t, j]:
         values2[t + 1, j] += 3.0  # a terminated episode does not even look at the final obs
     changed = np.asarray(compute_gae(values2, rewards2, terminations, truncations, 0.99, 0.95)[0])

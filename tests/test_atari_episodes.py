@@ -1,6 +1,7 @@
 """The Atari path's bookkeeping against a plain replay: the script's own actor thread (rollout_actor) plays Breakout,
 then the same actions are replayed through a fresh EnvPool with the same seed, and what the actor stored and
 reported is checked against what EnvPool says step by step."""
+
 import importlib
 import queue
 import threading
@@ -17,9 +18,28 @@ ENVS, STEPS = 4, 64
 def actor_rollouts(script: str, protocol: str, iterations: int):
     """(args, [(rollout as numpy, RolloutInfo)]) of `iterations` rollouts of the script's actor, a tiny network."""
     module = importlib.import_module(f"cleanba.cleanba_{script}")
-    flags = ["--env-id", "Breakout-v5", "--atari-protocol", protocol, "--channels", "4", "--hidden-dim", "16",
-             "--local-num-envs", ENVS, "--num-actor-threads", 1, "--num-steps", STEPS, "--num-minibatches", 2,
-             "--total-timesteps", iterations * ENVS * STEPS, "--seed", 3]
+    flags = [
+        "--env-id",
+        "Breakout-v5",
+        "--atari-protocol",
+        protocol,
+        "--channels",
+        "4",
+        "--hidden-dim",
+        "16",
+        "--local-num-envs",
+        ENVS,
+        "--num-actor-threads",
+        1,
+        "--num-steps",
+        STEPS,
+        "--num-minibatches",
+        2,
+        "--total-timesteps",
+        iterations * ENVS * STEPS,
+        "--seed",
+        3,
+    ]
     args = tyro.cli(module.Args, args=list(map(str, flags)))
     module.check_args(args)
     module.fill_runtime_sizes(args, 1, 0)
@@ -29,9 +49,23 @@ def actor_rollouts(script: str, protocol: str, iterations: int):
     params = module.first_replica(state.params)
     param_queue, rollout_queue = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
     stop = module.Stop()
-    thread = threading.Thread(target=module.run_thread, daemon=True, args=(
-        module.rollout_actor, stop, args, 1, 0, device, mesh, [device],
-        module.make_policy(args, agent, action_key), param_queue, rollout_queue))
+    thread = threading.Thread(
+        target=module.run_thread,
+        daemon=True,
+        args=(
+            module.rollout_actor,
+            stop,
+            args,
+            1,
+            0,
+            device,
+            mesh,
+            [device],
+            module.make_policy(args, agent, action_key),
+            param_queue,
+            rollout_queue,
+        ),
+    )
     thread.start()
     rollouts = []
     try:
@@ -79,6 +113,7 @@ def test_steps_after_a_life_loss_are_invalid(script):
     assert life_lost.sum() >= 4, "too few life losses to check anything"
     # The step after every life loss (and after every game over) is invalid, and no other step is.
     assert np.array_equal(valid, advanced), np.argwhere(valid != advanced)
+
     def next_step(mask):
         return np.concatenate([np.zeros((1, ENVS), bool), mask[:-1]])
 

@@ -18,8 +18,11 @@ CASES = {
 }
 MINIBATCH_CASE = {  # the constraint each algorithm puts on minibatch sizes
     "ppo": (["--num-steps", "10", "--num-minibatches", "4"], "--num-steps=10", "multiple of 4"),
-    "impala": (["--local-num-envs", "3", "--num-actor-threads", "2", "--num-minibatches", "8"], "--num-minibatches=8",
-               "at most 6"),
+    "impala": (
+        ["--local-num-envs", "3", "--num-actor-threads", "2", "--num-minibatches", "8"],
+        "--num-minibatches=8",
+        "at most 6",
+    ),
 }
 
 
@@ -44,8 +47,7 @@ def test_refused(script, case, tmp_path):
 
 def test_minibatch_sizes_refused(script, tmp_path):
     flags, *fragments = MINIBATCH_CASE[script]
-    process = run_script(script, ["--env-id", "CartPole-v1", "--learner-device-ids", "0", *flags], tmp_path,
-                         timeout=60)
+    process = run_script(script, ["--env-id", "CartPole-v1", "--learner-device-ids", "0", *flags], tmp_path, timeout=60)
     check_refused(process, *fragments)
 
 
@@ -55,12 +57,23 @@ def numeric_flags(module) -> dict:
     import typing
 
     hints = typing.get_type_hints(module.Args)
-    return {f.name: hints[f.name] for f in dataclasses.fields(module.Args)
-            if hints[f.name] in (int, float) and f.name not in RUNTIME_SIZES}
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(module.Args)
+        if hints[f.name] in (int, float) and f.name not in RUNTIME_SIZES
+    }
 
 
-RUNTIME_SIZES = {"world_size", "process_index", "num_envs", "local_batch_size", "local_minibatch_size", "batch_size",
-                 "minibatch_size", "num_iterations"}
+RUNTIME_SIZES = {
+    "world_size",
+    "process_index",
+    "num_envs",
+    "local_batch_size",
+    "local_minibatch_size",
+    "batch_size",
+    "minibatch_size",
+    "num_iterations",
+}
 
 
 def outside(interval: str, kind: type) -> list:

@@ -1,5 +1,6 @@
 """The throughput benchmark (python -m cleanba.benchmark) on tiny settings: every phase runs and reports positive
 figures, the table has a row per phase, a two-device layout works, and bad input is refused."""
+
 import json
 import math
 import subprocess
@@ -18,21 +19,40 @@ FIELDS = {
     "ceiling": ["sps", "cores", "peak_rss_mib", "wall_s"],
     "actor": ["sps", "cores", "peak_rss_mib", "wall_s", "rollout_time_s", "compile_s"],
     "learner": ["sps", "cores", "peak_rss_mib", "wall_s", "update_time_s", "updates_per_s", "compile_s"],
-    "sync": ["sps", "cores", "peak_rss_mib", "wall_s", "compile_s", "actor_compile_s", "learner_update_time_s",
-             "actor_rollout_time_s", "learner_wait_s", "actor_wait_s"],
+    "sync": [
+        "sps",
+        "cores",
+        "peak_rss_mib",
+        "wall_s",
+        "compile_s",
+        "actor_compile_s",
+        "learner_update_time_s",
+        "actor_rollout_time_s",
+        "learner_wait_s",
+        "actor_wait_s",
+    ],
     "reference": ["sps", "peak_rss_mib", "wall_s"],
 }
 FIELDS["concurrent"] = FIELDS["sync"]
-RATIOS = ["actor_over_ceiling", "learner_over_ceiling", "sync_over_ceiling", "concurrent_over_ceiling",
-          "concurrent_over_sync", "overlap_efficiency", "sync_efficiency", "concurrent_over_serial",
-          "ours_over_reference"]
+RATIOS = [
+    "actor_over_ceiling",
+    "learner_over_ceiling",
+    "sync_over_ceiling",
+    "concurrent_over_ceiling",
+    "concurrent_over_sync",
+    "overlap_efficiency",
+    "sync_efficiency",
+    "concurrent_over_serial",
+    "ours_over_reference",
+]
 
 
 def benchmark(args: list, tmp_path, devices: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
     # PYTHONPATH: the checkout, whatever the current directory (tmp_path, where the JSON file goes).
     env = script_env(devices, {"PYTHONPATH": str(ROOT)})
-    return subprocess.run([*BENCHMARK, *map(str, args)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [*BENCHMARK, *map(str, args)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def check_phase(name: str, figures: dict, batch_size: int, repeats: int, cores_available: int):
@@ -56,8 +76,9 @@ def check_phase(name: str, figures: dict, batch_size: int, repeats: int, cores_a
 
 
 def test_every_phase_on_tiny_settings(tmp_path):
-    process = benchmark([*QUICK, "--json", "figures.json", "--reference-command", REFERENCE, "--",
-                         *TINY["ppo"], *SIZES], tmp_path)
+    process = benchmark(
+        [*QUICK, "--json", "figures.json", "--reference-command", REFERENCE, "--", *TINY["ppo"], *SIZES], tmp_path
+    )
     check_ok(process)
     report = json.loads((tmp_path / "figures.json").read_text())
     assert report["batch_size"] == 4 * 16 and report["num_iterations"] == 1 + 2 * 2
@@ -71,7 +92,8 @@ def test_every_phase_on_tiny_settings(tmp_path):
     phases = report["phases"]
     assert report["ratios"]["ours_over_reference"] == pytest.approx(phases["concurrent"]["sps"] / 1234)
     assert report["ratios"]["overlap_efficiency"] == pytest.approx(
-        phases["concurrent"]["sps"] / min(phases["actor"]["sps"], phases["learner"]["sps"]))
+        phases["concurrent"]["sps"] / min(phases["actor"]["sps"], phases["learner"]["sps"])
+    )
     serial = 1 / (1 / phases["actor"]["sps"] + 1 / phases["learner"]["sps"])
     assert report["ratios"]["concurrent_over_serial"] == pytest.approx(phases["concurrent"]["sps"] / serial)
     rows = [line.split()[0] for line in process.stdout.splitlines() if line.split()]
@@ -83,9 +105,27 @@ def test_every_phase_on_tiny_settings(tmp_path):
 
 def test_actor_and_learner_on_separate_devices(tmp_path):
     """a0-l1 with IMPALA: the actor phase puts rollouts on another device, the learner runs its mesh there."""
-    process = benchmark([*QUICK, "--script", "impala", "--phases", "actor", "learner", "--json", "figures.json",
-                         "--", *TINY["impala"], *SIZES, "--actor-device-ids", "0", "--learner-device-ids", "1"],
-                        tmp_path, devices=2)
+    process = benchmark(
+        [
+            *QUICK,
+            "--script",
+            "impala",
+            "--phases",
+            "actor",
+            "learner",
+            "--json",
+            "figures.json",
+            "--",
+            *TINY["impala"],
+            *SIZES,
+            "--actor-device-ids",
+            "0",
+            "--learner-device-ids",
+            "1",
+        ],
+        tmp_path,
+        devices=2,
+    )
     check_ok(process)
     report = json.loads((tmp_path / "figures.json").read_text())
     assert report["layout"].startswith("a0-l1") and report["script"].endswith("cleanba_impala.py")
@@ -98,8 +138,23 @@ def test_actor_and_learner_on_separate_devices(tmp_path):
 def test_layers_phase_profiles_every_convolution(tmp_path):
     """--phases layers on a small IMPALA ResNet: every convolution found (3 sequences x 5), timed at the learner's
     micro-batch, grouped by shape, its flops counted from its shapes; no input gradient for the first one."""
-    atari = ["--env-id", "Breakout-v5", "--channels", "4", "8", "8", "--hidden-dim", "16", "--num-steps", "8",
-             "--num-minibatches", "2", "--gradient-accumulation-steps", "2", *SIZES]
+    atari = [
+        "--env-id",
+        "Breakout-v5",
+        "--channels",
+        "4",
+        "8",
+        "8",
+        "--hidden-dim",
+        "16",
+        "--num-steps",
+        "8",
+        "--num-minibatches",
+        "2",
+        "--gradient-accumulation-steps",
+        "2",
+        *SIZES,
+    ]
     process = benchmark([*QUICK, "--phases", "layers", "--json", "figures.json", "--", *atari], tmp_path)
     check_ok(process)
     report = json.loads((tmp_path / "figures.json").read_text())
@@ -118,21 +173,27 @@ def test_layers_phase_profiles_every_convolution(tmp_path):
         assert all(layer[key] > 0 for key in ["forward_s", "dk_s"] + ["dx_s"] * (layer is not first)), layer
     # (input, output) channels and sizes: the pool halves the image after each sequence's first convolution.
     shapes = [(layer["input_shape"][1:], layer["output_shape"][-1], layer["count"]) for layer in layers]
-    assert shapes == [([84, 84, 4], 4, 1), ([42, 42, 4], 4, 4), ([42, 42, 4], 8, 1), ([21, 21, 8], 8, 5),
-                      ([11, 11, 8], 8, 4)]
+    assert shapes == [
+        ([84, 84, 4], 4, 1),
+        ([42, 42, 4], 4, 4),
+        ([42, 42, 4], 8, 1),
+        ([21, 21, 8], 8, 5),
+        ([11, 11, 8], 8, 4),
+    ]
     assert figures["network_gradient_s"] > figures["network_forward_s"] > 0 and figures["matmul_gflops"] > 0
     # The traced learner update: XLA:CPU named its operations (the benchmark added the trace flag to this phase).
     operations = figures["traced_operations_s"]
     assert figures["traced_update_s"] > 0 and any("fusion" in kind for kind in operations), figures
     cores = report["cpu_cores_available"]  # operations on several threads at once: at most one per core
     assert 0 < sum(operations.values()) <= 1.25 * cores * figures["traced_update_s"], figures
-    table = process.stdout[process.stdout.index("layers at batch 8 on cpu"):]
+    table = process.stdout[process.stdout.index("layers at batch 8 on cpu") :]
     assert "ConvSequence_0/ResidualBlock_*/Conv_*" in table and "convolutions in all" in table, process.stdout
     assert "one learner update under the profiler" in table, process.stdout
 
     # A network without convolutions (CartPole's MLP) has no rows but the network's figures; --layer-batch sets it.
-    process = benchmark([*QUICK, "--phases", "layers", "--layer-batch", "5", "--json", "mlp.json", "--",
-                         *TINY["ppo"], *SIZES], tmp_path)
+    process = benchmark(
+        [*QUICK, "--phases", "layers", "--layer-batch", "5", "--json", "mlp.json", "--", *TINY["ppo"], *SIZES], tmp_path
+    )
     check_ok(process)
     figures = json.loads((tmp_path / "mlp.json").read_text())["phases"]["layers"]
     assert figures["batch"] == 5 and figures["layers"] == [] and figures["network_gradient_s"] > 0

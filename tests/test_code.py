@@ -1,5 +1,6 @@
-"""Code habits: ruff's lint rules (pyproject.toml) pass, and no module under cleanba/ imports another that imports it
-back, directly or through others (imports inside functions count too)."""
+"""Code habits: ruff's lint rules and its formatter (pyproject.toml) pass, and no module under cleanba/ imports
+another that imports it back, directly or through others (imports inside functions count too)."""
+
 import ast
 import subprocess
 import sys
@@ -8,8 +9,13 @@ from conftest import ROOT
 
 
 def test_ruff_lint_passes():
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -33,7 +39,7 @@ def test_no_import_cycle_between_cleanba_modules():
     def cycle_from(module, path):
         for imported in sorted(graph.get(module, ())):
             if imported in path:
-                return [*path[path.index(imported):], imported]
+                return [*path[path.index(imported) :], imported]
             found = cycle_from(imported, [*path, imported])
             if found:
                 return found

@@ -1,4 +1,5 @@
 """Two processes on 127.0.0.1 under jax.distributed with gloo collectives, each with forced host devices."""
+
 import re
 import signal
 import subprocess

@@ -1,6 +1,7 @@
 """The docs cannot drift: every command shown in README.md and docs/*.md that runs a training script or a
 `python -m cleanba.X` module names only flags it has, every such module exists and answers --help, and every
 relative link or image resolves."""
+
 import functools
 import re
 import shlex
@@ -36,10 +37,11 @@ def commands(text: str) -> list:
                 script = SCRIPT.match(token)
                 module = token if i and tokens[i - 1] == "-m" and token.startswith("cleanba.") else None
                 if script or module:
-                    rest = tokens[i + 1:]
-                    rest = rest[:rest.index("--")] if "--" in rest else rest
-                    found.append((script.group(1) if script else module,
-                                  [t.split("=")[0] for t in rest if t.startswith("--")]))
+                    rest = tokens[i + 1 :]
+                    rest = rest[: rest.index("--")] if "--" in rest else rest
+                    found.append(
+                        (script.group(1) if script else module, [t.split("=")[0] for t in rest if t.startswith("--")])
+                    )
                     break
     return found
 
@@ -56,8 +58,14 @@ def script_flags(name: str) -> set:
 @functools.cache
 def module_help(module: str) -> tuple:
     """(exit status, output) of `python -m module --help`."""
-    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=script_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return result.returncode, result.stdout + result.stderr
 
 

@@ -1,6 +1,7 @@
 """The two scripts share one engine: the text below the ENGINE line is the same in both, byte for byte, so that `diff`
 shows only the algorithm and an engine fix is one block copied. The names the engine calls above the line, and the
 names the tools use of a script imported as a module, are listed in the scripts and exist."""
+
 import difflib
 import importlib
 import re
@@ -24,8 +25,9 @@ def parts(script: str) -> tuple:
 @pytest.mark.parametrize("part", [0, 2], ids=["imports", "engine"])
 def test_the_shared_parts_are_byte_identical_in_both_scripts(part):
     ppo, impala = parts("ppo")[part], parts("impala")[part]
-    diff = "".join(difflib.unified_diff(ppo.splitlines(True), impala.splitlines(True), "cleanba_ppo.py",
-                                        "cleanba_impala.py"))
+    diff = "".join(
+        difflib.unified_diff(ppo.splitlines(True), impala.splitlines(True), "cleanba_ppo.py", "cleanba_impala.py")
+    )
     assert ppo == impala, f"the scripts differ outside the algorithm; copy the changed block to the other:\n{diff}"
 
 

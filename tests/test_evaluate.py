@@ -1,4 +1,5 @@
 """Evaluation of saved models: the end-of-training evaluation, the CLI, videos, and the Hub folder and card."""
+
 import json
 import subprocess
 import sys
@@ -17,8 +18,21 @@ def video_frames(path) -> int:
 
 
 def train_and_save(script, tmp_path, extra=()):
-    process = run_script(script, [*TINY[script], "--local-num-envs", 4, "--num-actor-threads", 1,
-                                  "--total-timesteps", 256, "--save-model", *extra], tmp_path)
+    process = run_script(
+        script,
+        [
+            *TINY[script],
+            "--local-num-envs",
+            4,
+            "--num-actor-threads",
+            1,
+            "--total-timesteps",
+            256,
+            "--save-model",
+            *extra,
+        ],
+        tmp_path,
+    )
     check_ok(process)
     (model,) = run_dir(tmp_path).glob("*.cleanba_model")
     return process, model
@@ -39,10 +53,23 @@ def test_training_evaluates_and_records_the_saved_model(script, tmp_path):
 def test_cli_plays_the_asked_episodes_with_video(tmp_path):
     _, model = train_and_save("impala", tmp_path, ["--eval-episodes", 0])
     assert not (run_dir(tmp_path) / "videos").exists()
-    command = [*EVALUATE, model, "--episodes", 5, "--num-envs", 2, "--greedy", "--capture-video",
-               "--video-dir", tmp_path / "videos", "--log-dir", tmp_path / "eval-log"]
-    process = subprocess.run(list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True,
-                             timeout=240)
+    command = [
+        *EVALUATE,
+        model,
+        "--episodes",
+        5,
+        "--num-envs",
+        2,
+        "--greedy",
+        "--capture-video",
+        "--video-dir",
+        tmp_path / "videos",
+        "--log-dir",
+        tmp_path / "eval-log",
+    ]
+    process = subprocess.run(
+        list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+    )
     check_ok(process)
     lengths = [int(line.rsplit(" ", 1)[1]) for line in process.stdout.splitlines() if line.startswith("episode ")]
     assert len(lengths) == 5 and "CartPole-v1: 5 episodes" in process.stdout
@@ -55,15 +82,39 @@ def test_cli_plays_the_asked_episodes_with_video(tmp_path):
 
 def test_cli_on_atari_scores_whole_games(tmp_path):
     """Machado protocol: no life-loss signal, so an episode is a whole game of Breakout (5 lives)."""
-    process = run_script("ppo", ["--env-id", "Breakout-v5", "--channels", 4, "--hidden-dim", 16, "--local-num-envs", 2,
-                                 "--num-actor-threads", 1, "--num-steps", 8, "--num-minibatches", 1,
-                                 "--update-epochs", 1, "--total-timesteps", 16, "--save-model", "--eval-episodes", 0],
-                         tmp_path)
+    process = run_script(
+        "ppo",
+        [
+            "--env-id",
+            "Breakout-v5",
+            "--channels",
+            4,
+            "--hidden-dim",
+            16,
+            "--local-num-envs",
+            2,
+            "--num-actor-threads",
+            1,
+            "--num-steps",
+            8,
+            "--num-minibatches",
+            1,
+            "--update-epochs",
+            1,
+            "--total-timesteps",
+            16,
+            "--save-model",
+            "--eval-episodes",
+            0,
+        ],
+        tmp_path,
+    )
     check_ok(process)
     (model,) = run_dir(tmp_path).glob("*.cleanba_model")
     command = [*EVALUATE, model, "--episodes", 1, "--capture-video", "--video-dir", tmp_path / "videos"]
-    process = subprocess.run(list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True,
-                             timeout=240)
+    process = subprocess.run(
+        list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+    )
     check_ok(process)
     (line,) = [line for line in process.stdout.splitlines() if line.startswith("episode 0:")]
     length = int(line.rsplit(" ", 1)[1])
@@ -80,14 +131,32 @@ def test_hub_folder_and_model_card(tmp_path):
     _, model = train_and_save("ppo", tmp_path, ["--eval-episodes", 2, "--capture-video", "--exp-name", "cp"])
     videos = sorted((run_dir(tmp_path) / "videos").glob("*.mp4"))
     train_args = json.loads(__import__("flax").serialization.msgpack_restore(model.read_bytes())["args"])
-    folder = build_hub_folder(tmp_path / "hub", model, ROOT / "cleanba" / "cleanba_ppo.py", train_args,
-                              [12.0, 20.0], [12, 20], videos, "someone/CartPole-v1-cp-seed1")
+    folder = build_hub_folder(
+        tmp_path / "hub",
+        model,
+        ROOT / "cleanba" / "cleanba_ppo.py",
+        train_args,
+        [12.0, 20.0],
+        [12, 20],
+        videos,
+        "someone/CartPole-v1-cp-seed1",
+    )
     names = sorted(path.name for path in folder.iterdir())
-    assert names == sorted(["README.md", "args.json", "cleanba_ppo.py", "cp.cleanba_model", "eval_returns.json",
-                            *[video.name for video in videos]])
+    assert names == sorted(
+        [
+            "README.md",
+            "args.json",
+            "cleanba_ppo.py",
+            "cp.cleanba_model",
+            "eval_returns.json",
+            *[video.name for video in videos],
+        ]
+    )
     assert (folder / "cp.cleanba_model").read_bytes() == model.read_bytes()
-    assert json.loads((folder / "eval_returns.json").read_text()) == {"episodic_return": [12.0, 20.0],
-                                                                      "episodic_length": [12, 20]}
+    assert json.loads((folder / "eval_returns.json").read_text()) == {
+        "episodic_return": [12.0, 20.0],
+        "episodic_length": [12, 20],
+    }
     assert json.loads((folder / "args.json").read_text())["env_id"] == "CartPole-v1"
     card = (folder / "README.md").read_text()
     front_matter = yaml.safe_load(card.split("---")[1])
@@ -117,7 +186,13 @@ def test_cli_plays_a_model_saved_by_an_older_version(tmp_path):
     args, params, script = load_model(model)
     args["local_rank"] = args.pop("process_index")
     save_model(model, script, args, params)
-    process = subprocess.run(list(map(str, [*EVALUATE, model, "--episodes", 2])), cwd=ROOT, env=script_env(),
-                             capture_output=True, text=True, timeout=240)
+    process = subprocess.run(
+        list(map(str, [*EVALUATE, model, "--episodes", 2])),
+        cwd=ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     check_ok(process)
     assert "CartPole-v1: 2 episodes" in process.stdout

@@ -9,6 +9,7 @@ Every process has the same 4 forced host devices, whatever devices its layout us
 from the device count (on a 2-core machine, 1 to 3 devices gave one set of bits and 4 or 8 another for the same
 single-device gradient), and its kernels split their sums by thread. A GPU's kernels do not depend on how many
 GPUs the machine has."""
+
 import re
 import subprocess
 import sys
@@ -19,18 +20,31 @@ from conftest import ROOT, check_ok, run_dir, run_script, scalars, script_comman
 
 ITERATIONS = 30
 ENVS = 4  # per actor thread
-CURVES = ["stats/params_checksum", "losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy",
-          "charts/episodic_return", "charts/episodic_length"]
+CURVES = [
+    "stats/params_checksum",
+    "losses/loss",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "charts/episodic_return",
+    "charts/episodic_length",
+]
 SIZES = {  # per (script, env): flags, steps per env per iteration
     # 32 time rows per minibatch: with 8, a fused reduce of the value loss was not yet summed in another order in
     # one group position (the 128-step README demo logged last-bit differences before the masked sums became dots).
-    ("ppo", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "64", "--num-minibatches", "2",
-                              "--update-epochs", "2"], 64),
+    ("ppo", "CartPole-v1"): (
+        ["--hidden-dim", "16", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+        64,
+    ),
     ("impala", "CartPole-v1"): (["--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2"], 8),
-    ("ppo", "Breakout-v5"): (["--channels", "4", "--hidden-dim", "16", "--num-steps", "8",
-                              "--num-minibatches", "2", "--update-epochs", "1"], 8),
-    ("impala", "Breakout-v5"): (["--channels", "4", "--hidden-dim", "16", "--num-steps", "8",
-                                 "--num-minibatches", "2"], 8),
+    ("ppo", "Breakout-v5"): (
+        ["--channels", "4", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2", "--update-epochs", "1"],
+        8,
+    ),
+    ("impala", "Breakout-v5"): (
+        ["--channels", "4", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2"],
+        8,
+    ),
 }
 DEVICES = 4
 LAYOUTS = {
@@ -43,8 +57,24 @@ LAYOUTS = {
 def exact_args(script, env_id, threads, envs=ENVS):
     flags, steps = SIZES[script, env_id]
     total = ITERATIONS * 2 * ENVS * steps  # 2 x ENVS envs in all, on every layout
-    return [*flags, "--env-id", env_id, "--exact", "--group-envs", "2", "--log-frequency", "1", "--seed", "3",
-            "--local-num-envs", envs, "--num-actor-threads", threads, "--total-timesteps", total]
+    return [
+        *flags,
+        "--env-id",
+        env_id,
+        "--exact",
+        "--group-envs",
+        "2",
+        "--log-frequency",
+        "1",
+        "--seed",
+        "3",
+        "--local-num-envs",
+        envs,
+        "--num-actor-threads",
+        threads,
+        "--total-timesteps",
+        total,
+    ]
 
 
 def curves(directory) -> dict:
@@ -62,15 +92,20 @@ def layout_runs(script, env_id, tmp_path) -> dict:
     runs = {}
     one_thread = {"a0-l0-t1": ["--local-num-envs", 2 * ENVS, "--num-actor-threads", 1]}
     for name, flags in {**LAYOUTS, **one_thread}.items():
-        process = run_script(script, [*exact_args(script, env_id, 2), *flags], tmp_path / name, devices=DEVICES,
-                             timeout=600)
+        process = run_script(
+            script, [*exact_args(script, env_id, 2), *flags], tmp_path / name, devices=DEVICES, timeout=600
+        )
         check_ok(process)
         # What XLA is told: deterministic GPU kernels (a flag XLA:CPU also parses, or it would abort at start).
         assert "XLA_FLAGS:" in process.stdout and "--xla_gpu_deterministic_ops=true" in process.stdout
         assert "on any split of the envs over actor threads and processes" in process.stdout, process.stdout
         runs[name] = curves(run_dir(tmp_path / name)), final_digests(process.stdout)
-    pair = start_pair(script, tmp_path / "d2", [*exact_args(script, env_id, 1), "--actor-device-ids", "0",
-                                                "--learner-device-ids", "1"], devices=DEVICES)
+    pair = start_pair(
+        script,
+        tmp_path / "d2",
+        [*exact_args(script, env_id, 1), "--actor-device-ids", "0", "--learner-device-ids", "1"],
+        devices=DEVICES,
+    )
     outputs = [process.communicate(timeout=600)[0] for process in pair]
     for process, output in zip(pair, outputs):
         assert process.returncode == 0, output
@@ -92,9 +127,24 @@ def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
             assert logged[tag].tobytes() == reference[tag].tobytes(), (name, tag, logged[tag], reference[tag])
         assert set(digests) == {digest}, (name, digests, digest)
     # The report a user runs on two such runs says so.
-    report = subprocess.run([sys.executable, "-m", "cleanba.compare_layouts", run_dir(tmp_path / "a0-l0"),
-                             run_dir(tmp_path / "d2" / "rank0"), "--tags", *CURVES, "--out", tmp_path / "cmp.png"],
-                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    report = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cleanba.compare_layouts",
+            run_dir(tmp_path / "a0-l0"),
+            run_dir(tmp_path / "d2" / "rank0"),
+            "--tags",
+            *CURVES,
+            "--out",
+            tmp_path / "cmp.png",
+        ],
+        cwd=ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     check_ok(report)
     assert report.stdout.count("max |a - b| = 0,") == len(CURVES), report.stdout
     assert "bitwise identical" in report.stdout, report.stdout
@@ -109,8 +159,14 @@ def test_resume_on_another_layout_is_exact(script, tmp_path):
     iterations = 60
     args = [*exact_args(script, "CartPole-v1", 2), "--checkpoint-frequency", "1000", "--run-name", "r"]
     args[args.index("--total-timesteps") + 1] = iterations * 2 * ENVS * SIZES[script, "CartPole-v1"][1]
-    first = subprocess.Popen(script_command(script, args), cwd=tmp_path, env=script_env(DEVICES), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = subprocess.Popen(
+        script_command(script, args),
+        cwd=tmp_path,
+        env=script_env(DEVICES),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     for line in first.stdout:  # stop once training is under way: SIGTERM checkpoints the last whole iteration
         if line.startswith("step "):
             first.send_signal(signal.SIGTERM)
@@ -135,9 +191,27 @@ def test_resume_on_another_layout_is_exact(script, tmp_path):
 def test_a_split_that_cannot_be_exact_says_so(tmp_path):
     """IMPALA's groups take --group-envs envs of each of the num_minibatches classes: 2 threads of 8 envs cut groups
     of 4 classes x 8 differently from 1 thread of 16 (pads fill each thread's block). The run says what holds."""
-    process = run_script("impala", ["--env-id", "CartPole-v1", "--hidden-dim", 16, "--num-steps", 8, "--exact",
-                                    "--local-num-envs", 8, "--num-actor-threads", 2, "--total-timesteps", 128],
-                         tmp_path)
+    process = run_script(
+        "impala",
+        [
+            "--env-id",
+            "CartPole-v1",
+            "--hidden-dim",
+            16,
+            "--num-steps",
+            8,
+            "--exact",
+            "--local-num-envs",
+            8,
+            "--num-actor-threads",
+            2,
+            "--total-timesteps",
+            128,
+        ],
+        tmp_path,
+    )
     check_ok(process)
-    assert "but not on another split of the envs over actor threads or processes (--local-num-envs is not a " \
-           "multiple of 32, a block of groups)" in process.stdout, process.stdout
+    assert (
+        "but not on another split of the envs over actor threads or processes (--local-num-envs is not a "
+        "multiple of 32, a block of groups)" in process.stdout
+    ), process.stdout

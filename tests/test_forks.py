@@ -1,6 +1,7 @@
 """The edits of docs/forking.md, kept as patches under tests/forks/: each is applied to a copy of
 cleanba_ppo.py, which then trains a few iterations on two layouts. The new metric is logged and the layouts
 learn the same thing, so the guide cannot go stale and its edits keep layout invariance."""
+
 import shutil
 import subprocess
 import sys
@@ -10,8 +11,20 @@ import pytest
 from conftest import LOSS_TAGS, ROOT, TINY, check_ok, first_losses, run_dir, scalars, script_env
 from flax.traverse_util import flatten_dict
 
-ATARI = ["--env-id", "Breakout-v5", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2",
-         "--update-epochs", "1", "--log-frequency", "1"]
+ATARI = [
+    "--env-id",
+    "Breakout-v5",
+    "--hidden-dim",
+    "16",
+    "--num-steps",
+    "8",
+    "--num-minibatches",
+    "2",
+    "--update-epochs",
+    "1",
+    "--log-frequency",
+    "1",
+]
 FORKS = {  # patch: (flags, the tag the edit adds)
     "kl_penalty": (TINY["ppo"], "losses/kl_penalty"),
     "new_metric": (TINY["ppo"], "losses/value_abs_error"),
@@ -24,8 +37,12 @@ def forked_script(patch: str, directory) -> str:
     """A copy of cleanba_ppo.py with tests/forks/<patch>.patch applied (git apply works outside a repository)."""
     (directory / "cleanba").mkdir(parents=True)
     shutil.copy(ROOT / "cleanba" / "cleanba_ppo.py", directory / "cleanba" / "cleanba_ppo.py")
-    result = subprocess.run(["git", "apply", str(ROOT / "tests" / "forks" / f"{patch}.patch")], cwd=directory,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["git", "apply", str(ROOT / "tests" / "forks" / f"{patch}.patch")],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, f"docs/forking.md's {patch} edit no longer applies: {result.stderr}"
     return str(directory / "cleanba" / "cleanba_ppo.py")
 
@@ -40,10 +57,22 @@ def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
         directory = tmp_path / name
         directory.mkdir()
         extra = ["--save-model", "--eval-episodes", "1"] if patch == "nature_cnn" and devices == 1 else []
-        command = [sys.executable, script, *flags, *layout, *extra, "--local-num-envs", "4", "--num-actor-threads",
-                   "1", "--total-timesteps", 3 * 4 * steps]
-        process = subprocess.run(list(map(str, command)), cwd=directory, env=script_env(devices), capture_output=True,
-                                 text=True, timeout=300)
+        command = [
+            sys.executable,
+            script,
+            *flags,
+            *layout,
+            *extra,
+            "--local-num-envs",
+            "4",
+            "--num-actor-threads",
+            "1",
+            "--total-timesteps",
+            3 * 4 * steps,
+        ]
+        process = subprocess.run(
+            list(map(str, command)), cwd=directory, env=script_env(devices), capture_output=True, text=True, timeout=300
+        )
         check_ok(process)
         logged = scalars(run_dir(directory))
         tags = LOSS_TAGS + ([new_tag] if new_tag else [])
@@ -70,9 +99,20 @@ def test_network_contract_checked_at_start(tmp_path):
     broken = source.replace("        return logits, value[:, 0]\n", "        return logits, value, logits\n")
     assert broken != source
     (directory / "cleanba_ppo.py").write_text(broken)
-    command = [sys.executable, str(directory / "cleanba_ppo.py"), *TINY["ppo"], "--local-num-envs", "4",
-               "--num-actor-threads", "1", "--total-timesteps", 10_000_000, "--save-model"]
-    process = subprocess.run(list(map(str, command)), cwd=tmp_path, env=script_env(1), capture_output=True,
-                             text=True, timeout=120)
+    command = [
+        sys.executable,
+        str(directory / "cleanba_ppo.py"),
+        *TINY["ppo"],
+        "--local-num-envs",
+        "4",
+        "--num-actor-threads",
+        "1",
+        "--total-timesteps",
+        10_000_000,
+        "--save-model",
+    ]
+    process = subprocess.run(
+        list(map(str, command)), cwd=tmp_path, env=script_env(1), capture_output=True, text=True, timeout=120
+    )
     assert process.returncode == 2, process.stderr
     assert "--save-model" in process.stderr and "make_network" in process.stderr and "step " not in process.stdout

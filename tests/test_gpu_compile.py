@@ -3,6 +3,7 @@ the default Breakout sizes on the headline layouts compile to GPU code and fit a
 
 Needs the CUDA plugin and ptxas from PyPI (`poetry install --with gpu-compile`, as the README's test command does);
 skipped without them, except under CI=true, where that fails."""
+
 import importlib.util
 import os
 import re
@@ -26,11 +27,32 @@ GIB = 2**30
 
 def gpu_compile(target: str, script: str, flags: list, processes: int = 1) -> tuple:
     """(the finished process, {GPU id: (roles, total GiB, fits)}, the learner's per-device line)."""
-    process = subprocess.run([sys.executable, "-m", "cleanba.gpu_compile", "--target", target, "--script", script,
-                              "--processes", str(processes), "--", *flags], cwd=ROOT, capture_output=True, text=True,
-                             timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    rows = {int(m[0]): (m[1], float(m[2]), m[3] == "yes") for m in
-            re.findall(r"^\s*(\d+)\s+(\S+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s+(yes|NO)$", process.stdout, re.M)}
+    process = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cleanba.gpu_compile",
+            "--target",
+            target,
+            "--script",
+            script,
+            "--processes",
+            str(processes),
+            "--",
+            *flags,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    rows = {
+        int(m[0]): (m[1], float(m[2]), m[3] == "yes")
+        for m in re.findall(
+            r"^\s*(\d+)\s+(\S+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s+(yes|NO)$", process.stdout, re.M
+        )
+    }
     return process, rows
 
 
@@ -46,8 +68,11 @@ def temporaries(stdout: str) -> float:
 def test_default_sizes_compile_for_a100_on_every_headline_layout(script):
     """A100 40GB, the paper's GPU: a0-l0 (actor and learner share the GPU: both count), a0-l1,2,3 and -d2 (two
     hosts of four GPUs, the learner's all-reduce across them)."""
-    for name, flags, processes in [("a0-l0", LAYOUTS["a0-l0"], 1), ("a0-l1,2,3", LAYOUTS["a0-l1,2,3"], 1),
-                                   ("a0-l1,2,3-d2", LAYOUTS["a0-l1,2,3"], 2)]:
+    for name, flags, processes in [
+        ("a0-l0", LAYOUTS["a0-l0"], 1),
+        ("a0-l1,2,3", LAYOUTS["a0-l1,2,3"], 1),
+        ("a0-l1,2,3-d2", LAYOUTS["a0-l1,2,3"], 2),
+    ]:
         process, rows = gpu_compile("a100-40gb", script, flags, processes)
         check_ok(process)
         print(name, process.stdout)
@@ -67,8 +92,9 @@ def test_h100_memory_levers():
     compiles and fits too, its policy the one the run uses: --group-envs (8) envs at a time, not the thread's 64."""
     base, rows = gpu_compile("h100", "ppo", LAYOUTS["a0-l0"])
     check_ok(base)
-    accumulated, accumulated_rows = gpu_compile("h100", "ppo", [*LAYOUTS["a0-l0"], "--gradient-accumulation-steps",
-                                                                "4"])
+    accumulated, accumulated_rows = gpu_compile(
+        "h100", "ppo", [*LAYOUTS["a0-l0"], "--gradient-accumulation-steps", "4"]
+    )
     check_ok(accumulated)
     exact, exact_rows = gpu_compile("h100", "ppo", [*LAYOUTS["a0-l0"], "--exact"])
     check_ok(exact)
@@ -81,8 +107,13 @@ def test_h100_memory_levers():
 
 
 def test_unknown_target_and_impossible_layout_are_refused():
-    process = subprocess.run([sys.executable, "-m", "cleanba.gpu_compile", "--target", "v100"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+    process = subprocess.run(
+        [sys.executable, "-m", "cleanba.gpu_compile", "--target", "v100"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert process.returncode == 2 and "a100-40gb" in process.stderr and "h100" in process.stderr, process.stderr
     process, _ = gpu_compile("h100", "ppo", ["--actor-device-ids", "0", "--learner-device-ids", "8"])
     assert process.returncode == 2 and "at most 8" in process.stderr and "--processes" in process.stderr, process.stderr

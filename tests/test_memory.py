@@ -1,5 +1,6 @@
 """Learner memory at the default Atari sizes, from XLA's own analysis of the update as this machine's XLA:CPU compiles
 it for training (shapes only, nothing runs): it must follow the minibatch, not the rollout."""
+
 import contextlib
 import importlib
 import os
@@ -49,8 +50,11 @@ def memory_cgroup(limit_bytes: int):
     or a container sets one; yields the command prefix that starts a program in it. Needs root; skipped without it
     except under CI=true."""
     name = f"cleanba-test-{uuid.uuid4().hex[:8]}"
-    candidates = [(Path("/sys/fs/cgroup"), "memory.max"), (Path("/sys/fs/cgroup/unified"), "memory.max"),
-                  (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes")]
+    candidates = [
+        (Path("/sys/fs/cgroup"), "memory.max"),
+        (Path("/sys/fs/cgroup/unified"), "memory.max"),
+        (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+    ]
     for root, limit_file in candidates:
         controllers = root / "cgroup.subtree_control"
         if limit_file == "memory.max" and not (controllers.exists() and "memory" in controllers.read_text().split()):
@@ -76,8 +80,14 @@ def memory_cgroup(limit_bytes: int):
 def run_limited(prefix: list, flags: list, tmp_path: Path):
     import subprocess
 
-    return subprocess.run([*prefix, *script_command("ppo", flags)], cwd=tmp_path, env=script_env(1),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [*prefix, *script_command("ppo", flags)],
+        cwd=tmp_path,
+        env=script_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 SMALL_ATARI = ["--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "32", "--total-timesteps", "256"]
@@ -101,8 +111,7 @@ def test_a_learner_that_cannot_fit_is_refused_before_training(tmp_path):
         small = run_limited(prefix, SMALL_ATARI, tmp_path)
         check_ok(small)
         pattern = r"learner memory per device .*needs [\d.]+ [MG]iB of \d\.\d\d GiB \(the memory limit of cgroup"
-        assert re.search(pattern,
-                         small.stdout), small.stdout
+        assert re.search(pattern, small.stdout), small.stdout
         skipped = run_limited(prefix, [*SMALL_ATARI, "--no-memory-check", "--run-name", "skipped"], tmp_path)
         check_ok(skipped)
         assert "learner memory" not in skipped.stdout and "final params sha256" in skipped.stdout

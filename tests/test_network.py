@@ -1,5 +1,6 @@
 """cleanba/xla_cpu.py's convolution and max pool against flax's: the same values and gradients, and the
 convolutions XLA:CPU compiles inside a loop all in the layout of its fast kernels."""
+
 import re
 
 import flax.linen as nn
@@ -39,7 +40,7 @@ def test_network_gradients_match_flax_pooling():
     params = agent.init(jax.random.key(0), obs[:1])
 
     def gradient():  # and its HLO: XLA's own max-pool gradient is select_and_scatter
-        grad = jax.jit(jax.grad(lambda p: sum(jnp.sum(out ** 2) for out in agent.apply(p, obs))))
+        grad = jax.jit(jax.grad(lambda p: sum(jnp.sum(out**2) for out in agent.apply(p, obs))))
         return grad(params), grad.lower(params).as_text()
 
     (ours, ours_hlo), original = gradient(), xla_cpu.max_pool
@@ -58,6 +59,7 @@ def test_network_gradients_match_flax_pooling():
 def conv_loss(conv, padding):
     def loss(x, kernel):
         return jnp.sum(jnp.sin(conv(x, kernel, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))))
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
@@ -69,8 +71,9 @@ def test_conv_matches_lax(shape, padding):
     rng = np.random.default_rng(sum(shape))
     x = rng.standard_normal((batch, height, width, features)).astype(np.float32)
     kernel = rng.standard_normal((k, k, features, out)).astype(np.float32)
-    (value, grads), (expected, expected_grads) = (conv_loss(f, padding)(x, kernel) for f in
-                                                  (xla_cpu.conv_general_dilated, jax.lax.conv_general_dilated))
+    (value, grads), (expected, expected_grads) = (
+        conv_loss(f, padding)(x, kernel) for f in (xla_cpu.conv_general_dilated, jax.lax.conv_general_dilated)
+    )
     np.testing.assert_allclose(value, expected, rtol=1e-6)
     for got, want in zip(grads, expected_grads):
         assert got.shape == want.shape and np.abs(want).sum() > 0

@@ -1,4 +1,5 @@
 """Faults, signals, checkpoints and resume. Every wait is bounded, so a hang fails a test instead of CI."""
+
 import importlib
 import json
 import re
@@ -36,13 +37,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def long_args(script, iterations=100_000):
     steps = 16 if script == "ppo" else 8
-    return [*TINY[script], "--local-num-envs", 8, "--num-actor-threads", 1, "--total-timesteps",
-            iterations * 8 * steps]
+    return [*TINY[script], "--local-num-envs", 8, "--num-actor-threads", 1, "--total-timesteps", iterations * 8 * steps]
 
 
 def start(script, args, cwd, devices=1):
-    return subprocess.Popen(script_command(script, args), cwd=cwd, env=script_env(devices), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        script_command(script, args),
+        cwd=cwd,
+        env=script_env(devices),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_for_training(process) -> list:
@@ -102,8 +108,19 @@ def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
 def test_distributed_signal_stops_all_ranks_at_one_iteration(signum, receivers, tmp_path):
     """Under jax.distributed, signals go through JAX's preemption sync point: all ranks stop after the same
     iteration, also those that got no signal, and rank 0 saves the checkpoint."""
-    args = [*long_args("ppo"), "--actor-device-ids", 0, "--learner-device-ids", 1, "--local-num-envs", 4,
-            "--checkpoint-frequency", 10_000, "--run-name", "sig"]
+    args = [
+        *long_args("ppo"),
+        "--actor-device-ids",
+        0,
+        "--learner-device-ids",
+        1,
+        "--local-num-envs",
+        4,
+        "--checkpoint-frequency",
+        10_000,
+        "--run-name",
+        "sig",
+    ]
     processes = start_pair("ppo", tmp_path, args)
     try:
         wait_for_training(processes[0])
@@ -143,8 +160,9 @@ def test_kill_during_checkpointing_leaves_a_readable_checkpoint(tmp_path):
     """kill -9 at arbitrary moments of a run that checkpoints every iteration: the checkpoint always loads."""
     path = tmp_path / "runs" / "kill" / "checkpoint.msgpack"
     for delay in [0.0, 0.05, 0.13]:
-        process = start("ppo", [*long_args("ppo"), "--checkpoint-frequency", 1, "--run-name", "kill",
-                                "--hidden-dim", 256], tmp_path)
+        process = start(
+            "ppo", [*long_args("ppo"), "--checkpoint-frequency", 1, "--run-name", "kill", "--hidden-dim", 256], tmp_path
+        )
         wait_for_training(process)
         deadline = time.time() + 30
         while not path.exists() and time.time() < deadline:
@@ -179,11 +197,15 @@ def test_resume_continues_the_run(script, tmp_path):
     saved_args = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(payload["args"]).items()}
     run_args = module.Args(**saved_args)
     agent = module.Agent(2, run_args.channels, run_args.hidden_dim)
-    template = module.TrainState.create(apply_fn=None, params=agent.init(jax.random.key(0), np.zeros((1, 4))),
-                                        tx=module.make_optimizer(run_args))
+    template = module.TrainState.create(
+        apply_fn=None, params=agent.init(jax.random.key(0), np.zeros((1, 4))), tx=module.make_optimizer(run_args)
+    )
     restored = flax.serialization.from_state_dict(template, payload["train_state"])
-    line = re.search(r"resumed .* at iteration (\d+) \(global step (\d+)\): params sha256 (\w+), opt_state "
-                     r"sha256 (\w+), optimizer step (\d+)", resumed.stdout)
+    line = re.search(
+        r"resumed .* at iteration (\d+) \(global step (\d+)\): params sha256 (\w+), opt_state "
+        r"sha256 (\w+), optimizer step (\d+)",
+        resumed.stdout,
+    )
     assert line, resumed.stdout
     assert int(line.group(1)) == saved_iteration
     assert int(line.group(2)) == saved_iteration * run_args.batch_size

@@ -1,4 +1,5 @@
 """The score report and the layout comparison on event files written here, in the training scripts' format."""
+
 import re
 import subprocess
 import sys
@@ -22,14 +23,19 @@ STEPS = range(1000, 11000, 1000)  # 10 logged points; with --final-fraction 0.25
 # (16.1 - 1.7) / 28.8 = 0.5 and Pong -13.64 is (-13.64 + 20.7) / 35.3 = 0.2. "impala" has no Alien-v5 runs and
 # "ppo" no seed 3 on Pong-v5.
 RUNS = {  # (variant, env_id, seed): (final score, human-normalized score)
-    ("ppo", "Breakout-v5", 1): (8.9, 0.25), ("ppo", "Breakout-v5", 2): (16.1, 0.5),
+    ("ppo", "Breakout-v5", 1): (8.9, 0.25),
+    ("ppo", "Breakout-v5", 2): (16.1, 0.5),
     ("ppo", "Breakout-v5", 3): (23.3, 0.75),
-    ("ppo", "Pong-v5", 1): (-3.05, 0.5), ("ppo", "Pong-v5", 2): (14.6, 1.0),
-    ("ppo", "Alien-v5", 1): (917.79, 0.1), ("ppo", "Alien-v5", 2): (3677.75, 0.5),
+    ("ppo", "Pong-v5", 1): (-3.05, 0.5),
+    ("ppo", "Pong-v5", 2): (14.6, 1.0),
+    ("ppo", "Alien-v5", 1): (917.79, 0.1),
+    ("ppo", "Alien-v5", 2): (3677.75, 0.5),
     ("ppo", "Alien-v5", 3): (7127.7, 1.0),
-    ("impala", "Breakout-v5", 1): (30.5, 1.0), ("impala", "Breakout-v5", 2): (44.9, 1.5),
+    ("impala", "Breakout-v5", 1): (30.5, 1.0),
+    ("impala", "Breakout-v5", 2): (44.9, 1.5),
     ("impala", "Breakout-v5", 3): (59.3, 2.0),
-    ("impala", "Pong-v5", 1): (-20.7, 0.0), ("impala", "Pong-v5", 2): (-13.64, 0.2),
+    ("impala", "Pong-v5", 1): (-20.7, 0.0),
+    ("impala", "Pong-v5", 2): (-13.64, 0.2),
     ("impala", "Pong-v5", 3): (7.54, 0.8),
 }
 # What enters the aggregates: the games of both variants (Breakout, Pong) and each variant's seeds that have
@@ -50,8 +56,16 @@ def hyperparameters_text(values: dict) -> str:
 
 
 def hyperparameters(env_id, exp_name, seed, actor="[0]", learner="[0]", world_size=1) -> dict:
-    return dict(exp_name=exp_name, seed=seed, env_id=env_id, learning_rate=0.00025, actor_device_ids=actor,
-                learner_device_ids=learner, world_size=world_size, num_envs=128)
+    return dict(
+        exp_name=exp_name,
+        seed=seed,
+        env_id=env_id,
+        learning_rate=0.00025,
+        actor_device_ids=actor,
+        learner_device_ids=learner,
+        world_size=world_size,
+        num_envs=128,
+    )
 
 
 def write_events(directory, params: dict, scalars: dict, purge_step=None, suffix=""):
@@ -78,8 +92,9 @@ def write_benchmark(root):
 
 
 def run_module(module: str, args: list, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=180
+    )
 
 
 def check_ok(process):
@@ -98,9 +113,17 @@ def reference_table() -> pd.DataFrame:
 
 def test_human_normalized_scores_by_hand():
     references = reference_table()
-    cases = [("Breakout-v5", 1.7, 0.0), ("Breakout-v5", 16.1, 0.5), ("Breakout-v5", 59.3, 2.0),
-             ("Pong-v5", -20.7, 0.0), ("Pong-v5", -3.05, 0.5), ("Pong-v5", 14.6, 1.0),
-             ("Alien-v5", 227.8, 0.0), ("Alien-v5", 3677.75, 0.5), ("Alien-v5", 14027.6, 2.0)]
+    cases = [
+        ("Breakout-v5", 1.7, 0.0),
+        ("Breakout-v5", 16.1, 0.5),
+        ("Breakout-v5", 59.3, 2.0),
+        ("Pong-v5", -20.7, 0.0),
+        ("Pong-v5", -3.05, 0.5),
+        ("Pong-v5", 14.6, 1.0),
+        ("Alien-v5", 227.8, 0.0),
+        ("Alien-v5", 3677.75, 0.5),
+        ("Alien-v5", 14027.6, 2.0),
+    ]
     for env_id, score, expected in cases:
         assert score_report.normalize(score, env_id, references) == pytest.approx(expected, abs=1e-12), env_id
 
@@ -135,8 +158,22 @@ def test_resumed_run_merges_event_files(tmp_path):
 def test_score_report(tmp_path):
     write_benchmark(tmp_path / "runs")
     out = tmp_path / "report"
-    process = run_module("cleanba.score_report", [tmp_path / "runs", "--out-dir", out, "--final-fraction", 0.25,
-                                                  "--reps", 200, "--curve-reps", 20, "--curve-points", 10])
+    process = run_module(
+        "cleanba.score_report",
+        [
+            tmp_path / "runs",
+            "--out-dir",
+            out,
+            "--final-fraction",
+            0.25,
+            "--reps",
+            200,
+            "--curve-reps",
+            20,
+            "--curve-points",
+            10,
+        ],
+    )
     check_ok(process)
     assert "variant 'impala' has no run of Alien-v5 (expected seeds 1, 2, 3)" in process.stderr
     assert "variant 'ppo', Pong-v5: missing seed(s) 3 (has 1, 2)" in process.stderr
@@ -171,8 +208,12 @@ def test_score_report(tmp_path):
         assert line in process.stdout
 
     # Sizes documented in score_report: 800 x 500; 300 x 240 per game (3 games in a row) + 60; 1400 x (130 + 45 x 2)
-    sizes = {"aggregate_vs_steps.png": (800, 500), "aggregate_vs_time.png": (800, 500),
-             "per_game.png": (900, 300), "intervals.png": (1400, 220)}
+    sizes = {
+        "aggregate_vs_steps.png": (800, 500),
+        "aggregate_vs_time.png": (800, 500),
+        "per_game.png": (900, 300),
+        "intervals.png": (1400, 220),
+    }
     for name, size in sizes.items():
         assert (out / name).stat().st_size > 10_000, name
         assert png_size(out / name) == size, name
@@ -180,14 +221,32 @@ def test_score_report(tmp_path):
 
 def test_reference_scores_file(tmp_path):
     for seed, final in [(1, 261.0), (2, 500.0)]:
-        write_events(tmp_path / "runs" / f"cartpole{seed}", hyperparameters("CartPole-v1", "ppo", seed),
-                     {TAG: return_curve(final)})
+        write_events(
+            tmp_path / "runs" / f"cartpole{seed}",
+            hyperparameters("CartPole-v1", "ppo", seed),
+            {TAG: return_curve(final)},
+        )
     references = tmp_path / "cartpole.csv"
     references.write_text("# random policy and the maximum return\nenv_id,random,human\nCartPole-v1,22,500\n")
     out = tmp_path / "report"
-    process = run_module("cleanba.score_report", [tmp_path / "runs", "--out-dir", out, "--final-fraction", 0.25,
-                                                  "--reference-scores", references, "--reps", 100,
-                                                  "--curve-reps", 10, "--curve-points", 5])
+    process = run_module(
+        "cleanba.score_report",
+        [
+            tmp_path / "runs",
+            "--out-dir",
+            out,
+            "--final-fraction",
+            0.25,
+            "--reference-scores",
+            references,
+            "--reps",
+            100,
+            "--curve-reps",
+            10,
+            "--curve-points",
+            5,
+        ],
+    )
     check_ok(process)
     scores = pd.read_csv(out / "scores.csv").set_index("seed")
     assert scores.normalized_score.tolist() == pytest.approx([0.5, 1.0])  # (261 - 22) / 478, (500 - 22) / 478
@@ -206,24 +265,31 @@ def test_env_without_reference_is_refused(tmp_path, capsys):
 
 def test_compare_layouts(tmp_path):
     base = {TAG: [(step, step / 100) for step in STEPS], "losses/value_loss": [(step, 1 / step) for step in STEPS]}
-    changed = {TAG: [(step, value + 0.25 if step == 3000 else value) for step, value in base[TAG]],
-               "losses/value_loss": base["losses/value_loss"]}
+    changed = {
+        TAG: [(step, value + 0.25 if step == 3000 else value) for step, value in base[TAG]],
+        "losses/value_loss": base["losses/value_loss"],
+    }
     write_events(tmp_path / "a", hyperparameters("Breakout-v5", "ppo", 1), base)
     write_events(tmp_path / "b", hyperparameters("Breakout-v5", "ppo", 1, learner="[1, 2]"), changed)
     out = tmp_path / "layouts.png"
-    process = run_module("cleanba.compare_layouts", [tmp_path / "a", tmp_path / "b", "--tags", TAG,
-                                                     "losses/value_loss", "--out", out])
+    process = run_module(
+        "cleanba.compare_layouts", [tmp_path / "a", tmp_path / "b", "--tags", TAG, "losses/value_loss", "--out", out]
+    )
     check_ok(process)
-    assert f"{TAG}: max |a - b| = 0.25 (step 3000), max relative difference = 0.00826 over 10 common steps" \
-        in process.stdout  # 0.25 / (30 + 0.25)
+    assert (
+        f"{TAG}: max |a - b| = 0.25 (step 3000), max relative difference = 0.00826 over 10 common steps"
+        in process.stdout
+    )  # 0.25 / (30 + 0.25)
     assert "losses/value_loss: max |a - b| = 0, max relative difference = 0 over 10 common steps" in process.stdout
     assert "warning" not in process.stderr
     assert png_size(out) == (900, 600) and out.stat().st_size > 10_000
 
 
 def test_layout_labels_and_mismatch_warning(tmp_path, capsys):
-    logged = [hyperparameters("Breakout-v5", "ppo", 1),
-              hyperparameters("Pong-v5", "ppo", 2, learner="[1, 2]", world_size=2)]
+    logged = [
+        hyperparameters("Breakout-v5", "ppo", 1),
+        hyperparameters("Pong-v5", "ppo", 2, learner="[1, 2]", world_size=2),
+    ]
     runs = [score_report.Run(tmp_path, {key: str(value) for key, value in params.items()}, {}) for params in logged]
     assert compare_layouts.run_labels(runs) == ["a0-l0-d1", "a0-l1,2-d2"]
     compare_layouts.check_same_experiment(runs)

@@ -1,5 +1,6 @@
 """SLURM: the launcher renders the template, and submits to a real single-node cluster a 2-task job whose
 processes find each other through jax.distributed.initialize()'s SLURM detection."""
+
 import os
 import re
 import subprocess
@@ -14,14 +15,34 @@ LAUNCH = [sys.executable, "-m", "cleanba.launch_slurm"]
 
 
 def launch(args, env=None, **kwargs):
-    return subprocess.run([*LAUNCH, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60, **kwargs)
+    return subprocess.run(
+        [*LAUNCH, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, **kwargs
+    )
 
 
 def test_dry_run_renders_an_array_over_envs_and_seeds(tmp_path):
-    result = launch(["--command", "python cleanba/cleanba_ppo.py --distributed", "--env-ids", "Breakout-v5",
-                     "Pong-v5", "--seeds", 1, 2, 3, "--ntasks-per-node", 2, "--gpus-per-task", 4,
-                     "--partition", "gpu", "--workdir", tmp_path, "--dry-run"])
+    result = launch(
+        [
+            "--command",
+            "python cleanba/cleanba_ppo.py --distributed",
+            "--env-ids",
+            "Breakout-v5",
+            "Pong-v5",
+            "--seeds",
+            1,
+            2,
+            3,
+            "--ntasks-per-node",
+            2,
+            "--gpus-per-task",
+            4,
+            "--partition",
+            "gpu",
+            "--workdir",
+            tmp_path,
+            "--dry-run",
+        ]
+    )
     assert result.returncode == 0, result.stderr
     script = result.stdout
     assert "#SBATCH --array=0-5\n" in script and "#SBATCH --requeue" in script
@@ -32,8 +53,12 @@ def test_dry_run_renders_an_array_over_envs_and_seeds(tmp_path):
     assert f"#SBATCH --chdir={tmp_path}" in script
     prologue = script.split("set -euo pipefail")[1].split("echo")[0]
     for index, expected in enumerate([(e, s) for e in ["Breakout-v5", "Pong-v5"] for s in [1, 2, 3]]):
-        out = subprocess.run(["bash", "-c", prologue + 'echo "$env_id $seed"'], capture_output=True, text=True,
-                             env={"SLURM_ARRAY_TASK_ID": str(index)})
+        out = subprocess.run(
+            ["bash", "-c", prologue + 'echo "$env_id $seed"'],
+            capture_output=True,
+            text=True,
+            env={"SLURM_ARRAY_TASK_ID": str(index)},
+        )
         assert out.stdout.split() == [expected[0], str(expected[1])]
 
 
@@ -55,19 +80,50 @@ def test_two_task_job_on_real_slurm(cluster, script, tmp_path):
     srun's SLURM_LOCALID must not hide the others (jax.distributed.initialize's default)."""
     steps = 16 if script == "ppo" else 8
     total = 3 * 2 * 4 * steps  # iterations x processes x envs x steps
-    command = " ".join([sys.executable, str(SCRIPTS[script]), "--distributed", *TINY[script], "--local-num-envs", "4",
-                        "--num-actor-threads", "1", "--actor-device-ids", "0", "--learner-device-ids", "1", "2", "3",
-                        "--total-timesteps", str(total)])
+    command = " ".join(
+        [
+            sys.executable,
+            str(SCRIPTS[script]),
+            "--distributed",
+            *TINY[script],
+            "--local-num-envs",
+            "4",
+            "--num-actor-threads",
+            "1",
+            "--actor-device-ids",
+            "0",
+            "--learner-device-ids",
+            "1",
+            "2",
+            "3",
+            "--total-timesteps",
+            str(total),
+        ]
+    )
     env = dict(script_env(4), SLURM_CONF=str(cluster.conf))
-    result = launch(["--command", command, "--env-ids", "CartPole-v1", "--seeds", 7, "--ntasks-per-node", 2,
-                     "--srun-options=--overcommit", "--job-name", f"cleanba-{script}", "--workdir", tmp_path],
-                    env=env)
+    result = launch(
+        [
+            "--command",
+            command,
+            "--env-ids",
+            "CartPole-v1",
+            "--seeds",
+            7,
+            "--ntasks-per-node",
+            2,
+            "--srun-options=--overcommit",
+            "--job-name",
+            f"cleanba-{script}",
+            "--workdir",
+            tmp_path,
+        ],
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     tasks = cluster.wait(job_id, timeout=240)
     outputs = "\n".join(path.read_text() for path in (tmp_path / "slurm").glob("*.out"))
-    assert [(task["JobState"], task["ExitCode"]) for task in tasks] == [("COMPLETED", "0:0")], \
-        outputs + cluster.logs()
+    assert [(task["JobState"], task["ExitCode"]) for task in tasks] == [("COMPLETED", "0:0")], outputs + cluster.logs()
     digests = re.findall(r"rank (\d): final params sha256 (\w+)", outputs)
     assert sorted(rank for rank, _ in digests) == ["0", "1"] and len({d for _, d in digests}) == 1, outputs
     visible = re.findall(r"rank (\d) of 2: GPUs visible to JAX \(jax_cuda_visible_devices\) (\S+)", outputs)
@@ -79,8 +135,14 @@ def test_two_task_job_on_real_slurm(cluster, script, tmp_path):
 
 def test_benchmark_renders_the_paper_experiments(tmp_path):
     inside_project_env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    result = subprocess.run(["bash", str(ROOT / "benchmark.sh"), "--dry-run", "--partition", "gpu"], cwd=tmp_path,
-                            env=inside_project_env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", str(ROOT / "benchmark.sh"), "--dry-run", "--partition", "gpu"],
+        cwd=tmp_path,
+        env=inside_project_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     scripts = result.stdout.split("#!/bin/bash")[1:]
     assert len(scripts) == 4  # PPO and IMPALA, each on two layouts

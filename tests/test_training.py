@@ -1,4 +1,5 @@
 """Both training scripts, run as subprocesses with tiny settings on several device layouts."""
+
 import math
 
 import numpy as np
@@ -21,8 +22,16 @@ _layout_runs = {}
 def tiny_run(script, tmp_path, flags, devices=1, iterations=ITERATIONS, local_num_envs=8, threads=1, num_envs=8):
     """num_envs: the total over all actor threads and devices, which the flags must give."""
     steps = 16 if script == "ppo" else 8
-    args = [*TINY[script], "--local-num-envs", local_num_envs, "--num-actor-threads", threads,
-            "--total-timesteps", iterations * num_envs * steps, *flags]
+    args = [
+        *TINY[script],
+        "--local-num-envs",
+        local_num_envs,
+        "--num-actor-threads",
+        threads,
+        "--total-timesteps",
+        iterations * num_envs * steps,
+        *flags,
+    ]
     process = run_script(script, args, tmp_path, devices=devices, env={"WANDB_MODE": "offline"})
     check_ok(process)
     assert "did not stop" not in process.stderr  # every actor thread ended with the run
@@ -36,8 +45,7 @@ def layout_run(script, layout, concurrency, tmp_path_factory):
         flags, devices, local_num_envs, threads = LAYOUTS[layout]
         directory = tmp_path_factory.mktemp(f"{script}-{layout}-{concurrency}")
         flags = [*flags, "--concurrency" if concurrency else "--no-concurrency"]
-        _layout_runs[key] = tiny_run(script, directory, flags, devices,
-                                     local_num_envs=local_num_envs, threads=threads)
+        _layout_runs[key] = tiny_run(script, directory, flags, devices, local_num_envs=local_num_envs, threads=threads)
     return _layout_runs[key]
 
 
@@ -48,8 +56,14 @@ def test_layout_trains_and_logs(script, layout, concurrency, tmp_path_factory):
     assert total == ITERATIONS * 8 * (16 if script == "ppo" else 8)
     steps = [step for step, _ in logged["stats/learner_policy_version"]]
     assert steps[-1] == total and len(steps) == ITERATIONS
-    for tag in [*LOSS_TAGS, "charts/SPS", "charts/learning_rate", "stats/rollout_queue_wait",
-                "stats/param_queue_wait", "stats/learner_update_time"]:
+    for tag in [
+        *LOSS_TAGS,
+        "charts/SPS",
+        "charts/learning_rate",
+        "stats/rollout_queue_wait",
+        "stats/param_queue_wait",
+        "stats/learner_update_time",
+    ]:
         values = [value for _, value in logged[tag]]
         assert len(values) == ITERATIONS and np.all(np.isfinite(values)), tag
     assert all(value > 0 for _, value in logged["charts/SPS"])
@@ -84,8 +98,7 @@ def test_determinism_bitwise(script, tmp_path, tmp_path_factory):
 def test_seed_changes_the_run(script, tmp_path, tmp_path_factory):
     """The invariance and determinism tests are not vacuous: another seed gives other losses."""
     first = first_losses(layout_run(script, "a0-l0", False, tmp_path_factory)[0], LOSS_TAGS, 2)
-    other = first_losses(tiny_run(script, tmp_path, ["--no-concurrency", "--seed", "2"], iterations=2)[0],
-                         LOSS_TAGS, 2)
+    other = first_losses(tiny_run(script, tmp_path, ["--no-concurrency", "--seed", "2"], iterations=2)[0], LOSS_TAGS, 2)
     assert not np.allclose(first, other, rtol=1e-3)
 
 
@@ -94,8 +107,9 @@ def test_many_iterations_multi_device(script, concurrency, tmp_path):
     """150 iterations with actor and learner threads on forced CPU devices finish: no collective deadlock."""
     flags, devices, local_num_envs, _ = LAYOUTS["a0,1-l1,2"]
     flags = [*flags, "--concurrency" if concurrency else "--no-concurrency", "--log-frequency", "50"]
-    logged, total = tiny_run(script, tmp_path, flags,
-                             devices, iterations=150, local_num_envs=local_num_envs, threads=2, num_envs=16)
+    logged, total = tiny_run(
+        script, tmp_path, flags, devices, iterations=150, local_num_envs=local_num_envs, threads=2, num_envs=16
+    )
     assert logged["stats/learner_policy_version"][-1] == (total, 149)
 
 
@@ -119,22 +133,57 @@ def test_save_model_round_trip(script, tmp_path):
     assert saved_args["batch_size"] * saved_args["num_iterations"] == total
     agent = Agent(2, tuple(saved_args["channels"]), saved_args["hidden_dim"])
     fresh = agent.init(jax.random.key(0), np.zeros((1, 4), np.float32))
+
     def shapes(tree):
         return {k: np.shape(v) for k, v in flatten_dict(tree).items()}
 
     assert shapes(params) == shapes(fresh)
     logits, values = agent.apply(params, np.zeros((5, 4), np.float32))
     assert logits.shape == (5, 2) and values.shape == (5,)
-    assert not np.allclose(flatten_dict(params)[("params", "Dense_0", "kernel")],
-                           flatten_dict(fresh)[("params", "Dense_0", "kernel")])
+    assert not np.allclose(
+        flatten_dict(params)[("params", "Dense_0", "kernel")], flatten_dict(fresh)[("params", "Dense_0", "kernel")]
+    )
 
 
 LEARNING = {
-    "ppo": (["--local-num-envs", "8", "--num-steps", "128", "--total-timesteps", "100000", "--learning-rate",
-             "2.5e-3", "--num-actor-threads", "1", "--hidden-dim", "64", "--log-frequency", "5"], 400),
-    "impala": (["--local-num-envs", "16", "--num-minibatches", "2", "--num-actor-threads", "1",
-                "--total-timesteps", "300000", "--learning-rate", "2e-3", "--hidden-dim", "64",
-                "--log-frequency", "25"], 300),
+    "ppo": (
+        [
+            "--local-num-envs",
+            "8",
+            "--num-steps",
+            "128",
+            "--total-timesteps",
+            "100000",
+            "--learning-rate",
+            "2.5e-3",
+            "--num-actor-threads",
+            "1",
+            "--hidden-dim",
+            "64",
+            "--log-frequency",
+            "5",
+        ],
+        400,
+    ),
+    "impala": (
+        [
+            "--local-num-envs",
+            "16",
+            "--num-minibatches",
+            "2",
+            "--num-actor-threads",
+            "1",
+            "--total-timesteps",
+            "300000",
+            "--learning-rate",
+            "2e-3",
+            "--hidden-dim",
+            "64",
+            "--log-frequency",
+            "25",
+        ],
+        300,
+    ),
 }
 
 
@@ -161,9 +210,29 @@ def test_track_syncs_to_wandb_offline(tmp_path):
 def test_atari_with_the_resnet(script, protocol, tmp_path):
     """The default path: an Atari game through the IMPALA ResNet (narrow, to stay fast on a CPU)."""
     steps = 8
-    args = ["--env-id", "Breakout-v5", "--atari-protocol", protocol, "--channels", "4", "4", "--hidden-dim", "16",
-            "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", steps, "--num-minibatches", "2",
-            "--log-frequency", "1", "--total-timesteps", 3 * 4 * steps]
+    args = [
+        "--env-id",
+        "Breakout-v5",
+        "--atari-protocol",
+        protocol,
+        "--channels",
+        "4",
+        "4",
+        "--hidden-dim",
+        "16",
+        "--local-num-envs",
+        "4",
+        "--num-actor-threads",
+        "1",
+        "--num-steps",
+        steps,
+        "--num-minibatches",
+        "2",
+        "--log-frequency",
+        "1",
+        "--total-timesteps",
+        3 * 4 * steps,
+    ]
     if script == "ppo":
         args += ["--update-epochs", "1"]
     process = run_script(script, args, tmp_path)
@@ -179,8 +248,9 @@ def test_gradient_accumulation_matches_whole_minibatches(script, tmp_path):
     runs = []
     for accumulation in [1, 2]:
         (tmp_path / str(accumulation)).mkdir()
-        logged, _ = tiny_run(script, tmp_path / str(accumulation), ["--gradient-accumulation-steps", accumulation],
-                             iterations=3)
+        logged, _ = tiny_run(
+            script, tmp_path / str(accumulation), ["--gradient-accumulation-steps", accumulation], iterations=3
+        )
         runs.append(first_losses(logged, LOSS_TAGS, 3))
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4, atol=1e-6)
 
@@ -193,8 +263,17 @@ def test_default_sizes_on_three_learner_devices(script, extra, tmp_path):
     runs = {}
     for name, flags, devices in [("a0-l0", [], 1), ("a0-l1,2,3", ["--learner-device-ids", "1", "2", "3"], 4)]:
         (tmp_path / name).mkdir()
-        args = [*TINY[script], *extra, "--actor-device-ids", "0", *flags, "--log-frequency", "1",
-                "--total-timesteps", 3 * 128 * (16 if script == "ppo" else 8)]
+        args = [
+            *TINY[script],
+            *extra,
+            "--actor-device-ids",
+            "0",
+            *flags,
+            "--log-frequency",
+            "1",
+            "--total-timesteps",
+            3 * 128 * (16 if script == "ppo" else 8),
+        ]
         process = run_script(script, args, tmp_path / name, devices=devices)
         check_ok(process)
         runs[name] = first_losses(scalars(run_dir(tmp_path / name)), LOSS_TAGS, 3)
@@ -203,8 +282,10 @@ def test_default_sizes_on_three_learner_devices(script, extra, tmp_path):
     np.testing.assert_allclose(runs["a0-l1,2,3"], runs["a0-l0"], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize(("envs", "devices", "groups", "multiple"),
-                         [(64, 3, 1, 1), (64, 3, 4, 1), (6, 4, 4, 2), (5, 2, 3, 1), (1, 3, 1, 1), (128, 2, 4, 4)])
+@pytest.mark.parametrize(
+    ("envs", "devices", "groups", "multiple"),
+    [(64, 3, 1, 1), (64, 3, 4, 1), (6, 4, 4, 2), (5, 2, 3, 1), (1, 3, 1, 1), (128, 2, 4, 4)],
+)
 def test_learner_shards_split_every_env_once(envs, devices, groups, multiple):
     """Every real env on exactly one device, the same width and the same count of every minibatch group (a
     multiple of the micro-batch count) on each device, pad ids negative and in the group they fill."""
@@ -229,9 +310,17 @@ def test_learner_shards_split_every_env_once(envs, devices, groups, multiple):
     assert len(columns[0]) == groups * (-(-per_group // multiple) * multiple)
 
 
-@pytest.mark.parametrize(("script", "envs", "devices", "minibatches", "group_envs"),
-                         [("impala", 64, 3, 4, 2), ("impala", 10, 2, 4, 2), ("impala", 8, 3, 2, 2),
-                          ("ppo", 64, 3, 4, 8), ("ppo", 10, 4, 4, 4), ("ppo", 4, 3, 2, 2)])
+@pytest.mark.parametrize(
+    ("script", "envs", "devices", "minibatches", "group_envs"),
+    [
+        ("impala", 64, 3, 4, 2),
+        ("impala", 10, 2, 4, 2),
+        ("impala", 8, 3, 2, 2),
+        ("ppo", 64, 3, 4, 8),
+        ("ppo", 10, 4, 4, 4),
+        ("ppo", 4, 3, 2, 2),
+    ],
+)
 def test_exact_groups_are_the_same_on_every_layout(script, envs, devices, minibatches, group_envs):
     """With --exact, the groups a layout's devices hold (as the update forms them: by minibatch class in column
     order, then runs of group_envs columns) are exactly the layout-free partition: per minibatch class, the thread's
@@ -246,14 +335,14 @@ def test_exact_groups_are_the_same_on_every_layout(script, envs, devices, miniba
     expected = set()
     for k in range(classes):
         members = env_ids[env_ids % classes == k]
-        expected |= {tuple(members[i:i + group_envs]) for i in range(0, len(members), group_envs)}
+        expected |= {tuple(members[i : i + group_envs]) for i in range(0, len(members), group_envs)}
     found = set()
     for envs_slice, pad_ids in module.learner_shards(args, env_ids, devices):
         device = np.concatenate([env_ids[envs_slice], pad_ids])
         by_class = device[np.argsort(device % classes, kind="stable")].reshape(classes, -1, group_envs)
         for group in by_class.reshape(-1, group_envs):
             real = group[group >= 0]
-            assert np.all(group[len(real):] < 0), group  # pads after the real envs only
+            assert np.all(group[len(real) :] < 0), group  # pads after the real envs only
             if len(real):
                 found.add(tuple(real))
     assert found == expected

@@ -5,6 +5,7 @@ rank of the two-node run ends with the d1 run's params, bit for bit.
 
 Faults end in bounded time with a non-zero exit: a process killed, a link taken down, SIGTERM to one node only
 (both stop after the same iteration with a checkpoint, and the resumed run finishes with nothing logged twice)."""
+
 import itertools
 import os
 import re
@@ -28,9 +29,24 @@ def steps(script: str) -> int:
 
 def flags(script: str, envs: int, iterations: int = ITERATIONS) -> list:
     """--exact tiny CartPole, 8 envs in all (2 processes x 4, or 1 x 8)."""
-    return [*TINY[script], "--local-num-envs", envs, "--num-actor-threads", 1, "--actor-device-ids", 0,
-            "--learner-device-ids", 1, "--exact", "--group-envs", 2, "--seed", 7,
-            "--total-timesteps", iterations * 8 * steps(script)]
+    return [
+        *TINY[script],
+        "--local-num-envs",
+        envs,
+        "--num-actor-threads",
+        1,
+        "--actor-device-ids",
+        0,
+        "--learner-device-ids",
+        1,
+        "--exact",
+        "--group-envs",
+        2,
+        "--seed",
+        7,
+        "--total-timesteps",
+        iterations * 8 * steps(script),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +63,9 @@ def nodes(tmp_path_factory):
     cluster.stop()
 
 
-def start_on_nodes(nodes: TwoNodes, script: str, args: list, tmp_path, heartbeat_timeout: int = 100,
-                   shared: bool = False) -> list:
+def start_on_nodes(
+    nodes: TwoNodes, script: str, args: list, tmp_path, heartbeat_timeout: int = 100, shared: bool = False
+) -> list:
     """One process per node, by hand: the coordinator given as node0's hostname. Each runs in a directory of its
     own, or with shared in tmp_path itself, as on a cluster's shared filesystem (where every rank finds the
     checkpoint that rank 0 wrote)."""
@@ -56,11 +73,32 @@ def start_on_nodes(nodes: TwoNodes, script: str, args: list, tmp_path, heartbeat
     for rank, node in enumerate(NODES):
         directory = tmp_path if shared else tmp_path / node
         directory.mkdir(exist_ok=True)
-        command = script_command(script, [*args, "--distributed", "--coordinator-address", f"node0:{port}",
-                                          "--num-processes", 2, "--process-id", rank,
-                                          "--heartbeat-timeout", heartbeat_timeout])
-        processes.append(nodes.popen(node, command, cwd=directory, env=script_env(2), text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        command = script_command(
+            script,
+            [
+                *args,
+                "--distributed",
+                "--coordinator-address",
+                f"node0:{port}",
+                "--num-processes",
+                2,
+                "--process-id",
+                rank,
+                "--heartbeat-timeout",
+                heartbeat_timeout,
+            ],
+        )
+        processes.append(
+            nodes.popen(
+                node,
+                command,
+                cwd=directory,
+                env=script_env(2),
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     return processes
 
 
@@ -85,8 +123,11 @@ def d1_digest(script: str, tmp_path) -> str:
 
 def reasons(output: str) -> list:
     """The lines of a failed run's output that say why (JAX's abort, the watchdog), for the printed timings."""
-    return [line[:240] for line in output.splitlines()
-            if re.search(r"(?i)terminating|heartbeat|stall-timeout|unavailable|deadline", line)][:3]
+    return [
+        line[:240]
+        for line in output.splitlines()
+        if re.search(r"(?i)terminating|heartbeat|stall-timeout|unavailable|deadline", line)
+    ][:3]
 
 
 def wait_for_training(process: subprocess.Popen) -> str:
@@ -117,15 +158,37 @@ def test_slurm_job_across_two_nodes_equals_one_node(nodes, script, tmp_path):
     """launch_slurm --nodes 2 --ntasks-per-node 1: JAX's own SLURM detection finds the coordinator on node0."""
     command = " ".join(map(str, [sys.executable, SCRIPTS[script], "--distributed", *flags(script, 4)]))
     env = dict(script_env(2), SLURM_CONF=str(nodes.conf))
-    launched = nodes.slurm([sys.executable, "-m", "cleanba.launch_slurm", "--command", command, "--env-ids",
-                            "CartPole-v1", "--seeds", 7, "--nodes", 2, "--ntasks-per-node", 1, "--job-name",
-                            f"two-nodes-{script}", "--workdir", tmp_path], cwd=ROOT, env=env, timeout=60)
+    launched = nodes.slurm(
+        [
+            sys.executable,
+            "-m",
+            "cleanba.launch_slurm",
+            "--command",
+            command,
+            "--env-ids",
+            "CartPole-v1",
+            "--seeds",
+            7,
+            "--nodes",
+            2,
+            "--ntasks-per-node",
+            1,
+            "--job-name",
+            f"two-nodes-{script}",
+            "--workdir",
+            tmp_path,
+        ],
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert launched.returncode == 0, launched.stderr
     job_id = re.search(r"submitted job (\d+)", launched.stdout).group(1)
     (task,) = nodes.wait(job_id, timeout=300)
     output = "\n".join(path.read_text() for path in (tmp_path / "slurm").glob("*.out"))
-    assert (task["JobState"], task["ExitCode"], task["NodeList"]) == ("COMPLETED", "0:0", "node[0-1]"), \
+    assert (task["JobState"], task["ExitCode"], task["NodeList"]) == ("COMPLETED", "0:0", "node[0-1]"), (
         output + nodes.logs()
+    )
     digests = final_digests(output)
     assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"] == d1_digest(script, tmp_path), output
 
@@ -139,8 +202,12 @@ def test_a_killed_node_process_ends_the_run(nodes, tmp_path):
     killed = time.time()
     rest = outputs_of(processes[:1], timeout=heartbeat_timeout + 60)[0]
     took = time.time() - killed
-    print(f"node1 killed: rank 0 ended {took:.1f} s later (heartbeat timeout {heartbeat_timeout} s), exit "
-          f"{processes[0].returncode}; it said:", *reasons(rest), sep="\n  ")
+    print(
+        f"node1 killed: rank 0 ended {took:.1f} s later (heartbeat timeout {heartbeat_timeout} s), exit "
+        f"{processes[0].returncode}; it said:",
+        *reasons(rest),
+        sep="\n  ",
+    )
     assert processes[0].returncode != 0 and took < heartbeat_timeout + 60, seen + rest
     assert "stopped sending heartbeats" in rest, rest  # JAX names the unhealthy task
 
@@ -149,8 +216,15 @@ def test_a_network_partition_ends_the_run(nodes, tmp_path):
     """node1's link taken down mid-run: collectives and heartbeats stop; both ranks end non-zero, in bounded time,
     with a complete checkpoint on node0."""
     heartbeat_timeout, stall_timeout = 10, 20
-    args = [*flags("ppo", 4, iterations=100_000), "--stall-timeout", stall_timeout, "--checkpoint-frequency", 1,
-            "--run-name", "partition"]
+    args = [
+        *flags("ppo", 4, iterations=100_000),
+        "--stall-timeout",
+        stall_timeout,
+        "--checkpoint-frequency",
+        1,
+        "--run-name",
+        "partition",
+    ]
     processes = start_on_nodes(nodes, "ppo", args, tmp_path, heartbeat_timeout)
     wait_for_training(processes[0])
     nodes.set_link("node1", up=False)
@@ -160,8 +234,10 @@ def test_a_network_partition_ends_the_run(nodes, tmp_path):
         took = time.time() - cut
     finally:
         nodes.set_link("node1", up=True)
-    print(f"partition: both ranks ended {took:.1f} s after the link went down (heartbeat {heartbeat_timeout} s, "
-          f"stall {stall_timeout} s); exit {[p.returncode for p in processes]}")
+    print(
+        f"partition: both ranks ended {took:.1f} s after the link went down (heartbeat {heartbeat_timeout} s, "
+        f"stall {stall_timeout} s); exit {[p.returncode for p in processes]}"
+    )
     for rank, output in enumerate(outputs):
         print(f"rank {rank} said:", *reasons(output), sep="\n  ")
     assert all(process.returncode != 0 for process in processes), outputs
@@ -217,12 +293,46 @@ def test_preempted_slurm_job_requeued_on_two_nodes_finishes(nodes, tmp_path):
     iterations, each logged once."""
     iterations = 40
     marker = f"requeue-{os.getpid()}"
-    command = " ".join(map(str, [sys.executable, SCRIPTS["ppo"], "--distributed", *flags("ppo", 4, iterations),
-                                 "--checkpoint-frequency", 1000, "--run-name", marker]))
+    command = " ".join(
+        map(
+            str,
+            [
+                sys.executable,
+                SCRIPTS["ppo"],
+                "--distributed",
+                *flags("ppo", 4, iterations),
+                "--checkpoint-frequency",
+                1000,
+                "--run-name",
+                marker,
+            ],
+        )
+    )
     env = dict(script_env(2), SLURM_CONF=str(nodes.conf))
-    launched = nodes.slurm([sys.executable, "-m", "cleanba.launch_slurm", "--command", command, "--env-ids",
-                            "CartPole-v1", "--seeds", 7, "--nodes", 2, "--ntasks-per-node", 1, "--job-name", marker,
-                            "--workdir", tmp_path], cwd=ROOT, env=env, timeout=60)
+    launched = nodes.slurm(
+        [
+            sys.executable,
+            "-m",
+            "cleanba.launch_slurm",
+            "--command",
+            command,
+            "--env-ids",
+            "CartPole-v1",
+            "--seeds",
+            7,
+            "--nodes",
+            2,
+            "--ntasks-per-node",
+            1,
+            "--job-name",
+            marker,
+            "--workdir",
+            tmp_path,
+        ],
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert launched.returncode == 0, launched.stderr
     job_id = re.search(r"submitted job (\d+)", launched.stdout).group(1)
     deadline = time.time() + 120
@@ -242,8 +352,9 @@ def test_preempted_slurm_job_requeued_on_two_nodes_finishes(nodes, tmp_path):
     assert requeued.returncode == 0, requeued.stderr
     (task,) = nodes.wait(job_id, timeout=300)
     second = "".join(p.read_text() for p in (tmp_path / "slurm").glob("*.out"))
-    assert (task["JobState"], task["Restarts"], task["NodeList"]) == ("COMPLETED", "1", "node[0-1]"), \
+    assert (task["JobState"], task["Restarts"], task["NodeList"]) == ("COMPLETED", "1", "node[0-1]"), (
         second + nodes.logs()
+    )
     assert f"resumed runs/{marker}/checkpoint.msgpack at iteration {stopped[0]}" in second, second
     logged = [step for step, _ in scalars(tmp_path / "runs" / marker)["stats/params_checksum"]]
     assert logged == [i * 8 * steps("ppo") for i in range(1, iterations + 1)], logged

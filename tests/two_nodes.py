@@ -5,6 +5,7 @@ spool, pid and log paths per node. Needs root; everything it makes is removed by
 
     python tests/two_nodes.py   # start the cluster and print how to use it, until Ctrl-C
 """
+
 import os
 import shutil
 import signal
@@ -40,8 +41,10 @@ class TwoNodes:
     def start(self):
         missing = [tool for tool in ["ip", "nsenter", "unshare"] if not shutil.which(tool)]
         if os.geteuid() != 0 or missing:
-            raise RuntimeError(f"two nodes need root and ip, nsenter, unshare (uid {os.geteuid()}, missing "
-                               f"{missing}): apt-get install iproute2 util-linux")
+            raise RuntimeError(
+                f"two nodes need root and ip, nsenter, unshare (uid {os.geteuid()}, missing "
+                f"{missing}): apt-get install iproute2 util-linux"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         hosts = "127.0.0.1 localhost\n" + "".join(f"{address(node)} {node}\n" for node in NODES)
         (self.root / "hosts").write_text(hosts)
@@ -50,8 +53,12 @@ class TwoNodes:
         commands += [f"link add {self.link('node0')} type veth peer name {self.link('node1')}"]
         for node in NODES:
             ns, link = self.namespace(node), self.link(node)
-            commands += [f"link set {link} netns {ns}", f"-n {ns} addr add {address(node)}/24 dev {link}",
-                         f"-n {ns} link set {link} up", f"-n {ns} link set lo up"]
+            commands += [
+                f"link set {link} netns {ns}",
+                f"-n {ns} addr add {address(node)}/24 dev {link}",
+                f"-n {ns} link set {link} up",
+                f"-n {ns} link set lo up",
+            ]
         for command in commands:
             done = subprocess.run(["ip", *command.split()], capture_output=True, text=True)
             if done.returncode:
@@ -61,8 +68,18 @@ class TwoNodes:
     def command_on(self, node: str, command: list) -> list:
         """command run on a node: in its network namespace, with its hostname and /etc/hosts (private mounts)."""
         setup = f'mount --bind {self.root / "hosts"} /etc/hosts && hostname {node} && exec "$@"'
-        return ["nsenter", f"--net=/run/netns/{self.namespace(node)}", "unshare", "--mount", "--uts", "sh", "-c",
-                setup, "sh", *map(str, command)]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.namespace(node)}",
+            "unshare",
+            "--mount",
+            "--uts",
+            "sh",
+            "-c",
+            setup,
+            "sh",
+            *map(str, command),
+        ]
 
     def popen(self, node: str, command: list, **kwargs) -> subprocess.Popen:
         return subprocess.Popen(self.command_on(node, command), **kwargs)
@@ -72,24 +89,29 @@ class TwoNodes:
 
     def set_link(self, node: str, up: bool):
         """Take a node's link down (a network partition) or up again."""
-        subprocess.run(["ip", "-n", self.namespace(node), "link", "set", self.link(node), "up" if up else "down"],
-                       check=True)
+        subprocess.run(
+            ["ip", "-n", self.namespace(node), "link", "set", self.link(node), "up" if up else "down"], check=True
+        )
 
     # SLURM over the two nodes.
     def start_slurm(self):
         missing = [tool for tool in ["sbatch", "slurmctld", "slurmd", "munged"] if not shutil.which(tool)]
         if missing:
-            raise RuntimeError(f"SLURM is not installed ({', '.join(missing)} missing): "
-                               "apt-get install slurm-wlm munge, as .ci/run does")
+            raise RuntimeError(
+                f"SLURM is not installed ({', '.join(missing)} missing): "
+                "apt-get install slurm-wlm munge, as .ci/run does"
+            )
         start_munge()
         (self.root / "state").mkdir(exist_ok=True)
-        conf = SLURM_CONF.format(host=f"node0({address('node0')})", root=self.root, cpus=os.cpu_count(),
-                                 ctld_port=6817, d_port=6818)
+        conf = SLURM_CONF.format(
+            host=f"node0({address('node0')})", root=self.root, cpus=os.cpu_count(), ctld_port=6817, d_port=6818
+        )
         conf = conf.replace(f"SlurmdSpoolDir={self.root}/spool", f"SlurmdSpoolDir={self.root}/spool-%n")
         conf = conf.replace("slurmd.pid", "slurmd-%n.pid").replace("slurmd.log", "slurmd-%n.log")
         node_line = next(line for line in conf.splitlines() if line.startswith("NodeName="))
-        nodes = "\n".join(f"NodeName={node} NodeAddr={address(node)} CPUs={os.cpu_count()} State=UNKNOWN"
-                          for node in NODES)
+        nodes = "\n".join(
+            f"NodeName={node} NodeAddr={address(node)} CPUs={os.cpu_count()} State=UNKNOWN" for node in NODES
+        )
         self.conf.write_text(conf.replace(node_line, nodes))
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         quiet = dict(env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -129,10 +151,13 @@ if __name__ == "__main__":
     cluster = TwoNodes(Path(tempfile.mkdtemp(prefix="two-nodes-")))
     try:
         cluster.start().start_slurm()
-        print(f"two nodes up: node0 {address('node0')}, node1 {address('node1')}; SLURM_CONF={cluster.conf}\n"
-              f"  run on a node:  nsenter --net=/run/netns/{cluster.namespace('node0')} <command>\n"
-              f"  a 2-node job:   SLURM_CONF={cluster.conf} nsenter --net=/run/netns/{cluster.namespace('node0')} "
-              "srun -N2 hostname\nCtrl-C stops and removes it.", flush=True)
+        print(
+            f"two nodes up: node0 {address('node0')}, node1 {address('node1')}; SLURM_CONF={cluster.conf}\n"
+            f"  run on a node:  nsenter --net=/run/netns/{cluster.namespace('node0')} <command>\n"
+            f"  a 2-node job:   SLURM_CONF={cluster.conf} nsenter --net=/run/netns/{cluster.namespace('node0')} "
+            "srun -N2 hostname\nCtrl-C stops and removes it.",
+            flush=True,
+        )
         signal.sigwait([signal.SIGINT, signal.SIGTERM])
     finally:
         cluster.stop()
