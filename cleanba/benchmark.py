@@ -452,6 +452,20 @@ def synthetic_rollout(module, args, spec, thread_index: int, rng: np.random.Gene
     )
 
 
+def learner_rollouts(module, args, model) -> tuple:
+    """One iteration's synthetic rollouts, one per actor thread, on the learner devices as the learner gets them."""
+    rng = np.random.default_rng(args.seed)
+    return tuple(
+        module.put_on_learners(
+            args,
+            synthetic_rollout(module, args, model["spec"], thread_index, rng),
+            model["mesh"],
+            model["learner_devices"],
+        )
+        for _, thread_index in thread_slots(args)
+    )
+
+
 def rollout_structs(module, args, model) -> tuple:
     """One iteration's rollouts as the learner receives them (padded and sharded over the learner devices), as
     shapes and dtypes only: for compiling at sizes that would not fit in this machine's memory or time."""
@@ -527,17 +541,7 @@ def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
 
     model = build_model(module, args)
     state = model["state"]
-    slots = thread_slots(args)
-    rng = np.random.default_rng(args.seed)
-    rollouts = tuple(
-        module.put_on_learners(
-            args,
-            synthetic_rollout(module, args, model["spec"], thread_index, rng),
-            model["mesh"],
-            model["learner_devices"],
-        )
-        for _, thread_index in slots
-    )
+    rollouts = learner_rollouts(module, args, model)
     start = time.time()
     learner_update, memory = compile_learner(module, args, model, rollouts)
     ends = []
@@ -671,16 +675,7 @@ def traced_update(module, args, model) -> dict:
 
     import jax
 
-    rng = np.random.default_rng(args.seed)
-    rollouts = tuple(
-        module.put_on_learners(
-            args,
-            synthetic_rollout(module, args, model["spec"], thread_index, rng),
-            model["mesh"],
-            model["learner_devices"],
-        )
-        for _, thread_index in thread_slots(args)
-    )
+    rollouts = learner_rollouts(module, args, model)
     update = compile_learner(module, args, model, rollouts)[0]
     state = model["state"]
     state, _ = update(state, rollouts)  # the first call allocates what later ones reuse
