@@ -629,12 +629,13 @@ def layers_phase(module, args, bench: BenchmarkArgs) -> dict:
     repeats = bench.repeats * bench.iterations
     with jax.default_device(model["learner_devices"][0]):
         obs = jax.ShapeDtypeStruct((batch, *space.shape), space.dtype)
-        groups = {}  # convolutions of the same shape are timed once: (kind, input shape) -> [paths, module]
+        groups = {}  # convolutions of one shape (features, kernel, strides, padding, input) are timed once
         for path, conv, input_shape in network_convolutions(agent, params, obs):
-            kind = (conv.features, tuple(conv.kernel_size), tuple(input_shape))
+            kind = (conv.features, tuple(conv.kernel_size), str(conv.strides), str(conv.padding), tuple(input_shape))
             groups.setdefault(kind, [[], conv])[0].append(path)
         layers = []
-        for index, ((_, _, input_shape), (paths, conv)) in enumerate(groups.items()):
+        for index, (kind, (paths, conv)) in enumerate(groups.items()):
+            input_shape = kind[-1]
             timings = conv_timings(conv, input_shape, repeats)
             if index == 0 and len(paths) == 1:
                 timings["dx_s"] = None  # the observation's gradient: the learner never computes it
@@ -685,7 +686,8 @@ def traced_update(module, args, model) -> dict:
             start = time.perf_counter()
             jax.block_until_ready(update(state, rollouts))
             update_s = time.perf_counter() - start
-        trace = json.loads(gzip.open(next(Path(directory).rglob("*.trace.json.gz"))).read())
+        with gzip.open(next(Path(directory).rglob("*.trace.json.gz"))) as file:
+            trace = json.load(file)
     kinds = {}
     for event in trace["traceEvents"] if isinstance(trace, dict) else trace:
         name = event.get("name", "")
@@ -695,7 +697,8 @@ def traced_update(module, args, model) -> dict:
     return dict(traced_update_s=update_s, traced_operations_s=dict(sorted(kinds.items(), key=lambda kv: -kv[1])))
 
 
-# Unfused XLA operations that the trace names as they are (fusions all have "fusion" in their name).
+# Unfused XLA operations that the trace names as they are (fusions all have "fusion" in their name); not while or
+# call, whose events would span the operations inside them.
 XLA_OPERATIONS = (
     "convolution",
     "conv_general_dilated",
@@ -705,7 +708,6 @@ XLA_OPERATIONS = (
     "transpose",
     "all-reduce",
     "reduce",
-    "while",
     "scatter",
     "gather",
     "sort",
