@@ -9,18 +9,113 @@ nn.max_pool as they are. tests/test_network.py checks both against flax.
   computation, not inside a loop's body (jax issue 12868). The gradients of a convolution never come in that
   layout, so a gradient step inside lax.scan fell back to a naive kernel, 25-40x slower, and the scripts had to
   unroll their minibatch loops on the CPU, where XLA:CPU then kept the buffers of every unrolled step alive at
-  once (openxla/xla issue 35719: 23.5 GB for the default PPO update). Here the two gradients are convolutions
+  once (openxla/xla issue 35719: 23.5 GB for the default PPO update). Here the input gradient is a convolution
   written in that layout from the start, so loops stay rolled on every platform and memory follows the minibatch.
+  The weight gradient is a C++ kernel of cleanba/cpu_kernels.cc, built here on first use (cpu_kernels below):
+  Eigen runs a weight gradient on one thread at a quarter of its forward's speed, after moving both operands into a
+  batch-innermost layout (docs/performance.md). Without a C++ compiler it is an Eigen-layout convolution too.
 - max_pool: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") without XLA:CPU's slow select_and_scatter, whose
-  gradient was 30% of the default network's gradient time; this one costs at most a third of that.
+  gradient was 30% of the default network's gradient time. Its gradient, bitwise select_and_scatter's, is the C++
+  kernel of cpu_kernels.cc where it is built, else the same routing in jax.numpy (a third of select_and_scatter's
+  time, but it recomputes each window's maximum for every position the window covers).
 """
 
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
 from functools import partial, reduce
+from importlib.metadata import version
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 EIGEN_LAYOUT = ("NHWC", "HWIO", "NHWC")
+KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+KERNELS = {  # custom call target: the symbol of its handler in cpu_kernels.cc
+    "cleanba_conv": "CleanbaConv",
+    "cleanba_conv_weight_gradient": "CleanbaConvWeightGradient",
+    "cleanba_max_pool_gradient": "CleanbaMaxPoolGradient",
+}
+# CLEANBA_CPU_KERNELS=xla keeps XLA's convolutions and the max-pool gradient written in jax.numpy, e.g. to compare.
+KERNEL_SWITCH = "CLEANBA_CPU_KERNELS"
+kernel_lock = threading.Lock()
+kernel_state: dict = {}
+
+
+def cpu_kernels() -> str:
+    """Builds and registers cleanba/cpu_kernels.cc once per process; says which gradients the CPU network uses.
+
+    The library is compiled for this machine's CPU (-march=native) with the C++ compiler in $CXX (default c++),
+    against the XLA FFI headers of the installed jaxlib, and cached under $CLEANBA_CACHE (default
+    ~/.cache/cleanba) by a hash of everything that decides its code: the source, compiler, flags, jaxlib and the
+    CPU's model and features, so that nodes of another CPU sharing a home directory build their own. Processes that
+    build at the same time each write a temporary file and move it into place whole."""
+    with kernel_lock:
+        if "status" not in kernel_state:
+            kernel_state["status"] = build_and_register()
+            print(f"XLA:CPU kernels for the ResNet's gradients: {kernel_state['status']}", flush=True)
+        return kernel_state["status"]
+
+
+def kernel_ready() -> bool:
+    return cpu_kernels().startswith("native")
+
+
+def cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags")]
+    return "\n".join(sorted(set(wanted))) or platform.machine()
+
+
+def build_and_register() -> str:
+    if os.environ.get(KERNEL_SWITCH, "native") == "xla":
+        return f"XLA's ({KERNEL_SWITCH}=xla)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"XLA's (no C++ compiler {compiler!r} on PATH; install one, e.g. g++, or set CXX)"
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-I", jax.ffi.include_dir()]
+    try:
+        compiler_version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"XLA's ({compiler} --version failed: {error})"
+    key = hashlib.sha256(
+        "\0".join(
+            [KERNEL_SOURCE.read_text(), compiler_version, " ".join(flags[:-1]), version("jaxlib"), cpu_identity()]
+        ).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("CLEANBA_CACHE", Path.home() / ".cache" / "cleanba"))
+    library = cache / f"cpu_kernels-{key}.so"
+    if not library.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as scratch:
+                built = Path(scratch) / library.name
+                result = subprocess.run(
+                    [compiler, *flags, str(KERNEL_SOURCE), "-o", str(built)],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+                if result.returncode != 0:
+                    first_error = next((line for line in result.stderr.splitlines() if "error" in line), "")
+                    return f"XLA's (building {KERNEL_SOURCE.name} with {compiler} failed: {first_error.strip()})"
+                os.replace(built, library)
+        except (OSError, subprocess.SubprocessError) as error:
+            return f"XLA's (could not build {KERNEL_SOURCE.name} into {cache}: {error}; set CLEANBA_CACHE)"
+    loaded = ctypes.cdll.LoadLibrary(str(library))
+    for target, symbol in KERNELS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)), platform="cpu")
+    return f"native ({library})"
 
 
 def conv_general_dilated(
@@ -64,7 +159,28 @@ def conv_general_dilated(
     return eigen_conv(lhs, rhs, tuple(tuple(int(p) for p in pair) for pair in padding), precision)
 
 
+def native(padding, *arrays) -> bool:
+    """Whether cpu_kernels.cc computes this: float32, non-negative padding, and the kernels built."""
+    return all(a.dtype == jnp.float32 for a in arrays) and min(min(pair) for pair in padding) >= 0 and kernel_ready()
+
+
+def kernel_call(target: str, shape, *arrays, **attributes):
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method="sequential")
+    return call(*arrays, **{name: np.int64(value) for name, value in attributes.items()})
+
+
 def conv(x, kernel, padding, precision):
+    """The stride-1 NHWC x HWIO convolution. Eigen's, except on fewer than 8 input channels where cpu_kernels.cc is
+    built: there Eigen reaches a tenth of the machine's float32 peak (the first convolution of the ResNet, 4 stacked
+    frames in, on its largest image), the kernel twice that; on 16 and more, Eigen's is the faster."""
+    if x.shape[3] < 8 and native(padding, x, kernel):
+        (lo_h, hi_h), (lo_w, hi_w) = padding
+        shape = (
+            x.shape[0],
+            x.shape[1] + lo_h + hi_h - kernel.shape[0] + 1,
+            x.shape[2] + lo_w + hi_w - kernel.shape[1] + 1,
+        )
+        return kernel_call("cleanba_conv", (*shape, kernel.shape[3]), x, kernel, lo_h=lo_h, lo_w=lo_w)
     return jax.lax.conv_general_dilated(x, kernel, (1, 1), padding, dimension_numbers=EIGEN_LAYOUT, precision=precision)
 
 
@@ -81,13 +197,22 @@ def eigen_conv_forward(x, kernel, padding, precision):
 def eigen_conv_backward(padding, precision, residuals, dy):
     # y[o] = sum_j x[o + j - lo] k[j] along each spatial axis (lo, hi: the padding, K: the kernel size), so
     # dx[i] = sum_j dy[i + j - (K - 1 - lo)] k[K - 1 - j]: dy convolved with the flipped kernel, in and out features
-    # swapped, padded (K - 1 - lo, K - 1 - hi); and dk[j] = sum_o x[o + j - lo] dy[o]: x convolved with dy as the
-    # kernel, the input features as the batch and the batch as the features, padded (lo, hi).
+    # swapped, padded (K - 1 - lo, K - 1 - hi); and dk[j] = sum_o x[o + j - lo] dy[o] (weight_gradient).
     x, kernel = residuals
     flipped = jnp.flip(kernel, (0, 1)).transpose(0, 1, 3, 2)
     dx = conv(dy, flipped, [(k - 1 - lo, k - 1 - hi) for k, (lo, hi) in zip(kernel.shape[:2], padding)], precision)
+    return dx, weight_gradient(x, dy, kernel, padding, precision)
+
+
+def weight_gradient(x, dy, kernel, padding, precision):
+    """dk[j] = sum_o x[o + j - lo] dy[o] along each spatial axis, summed over the batch: the kernel of
+    cleanba/cpu_kernels.cc where it is built (native), else a convolution in Eigen's layout."""
+    if native(padding, x, dy, kernel):
+        (lo_h, _), (lo_w, _) = padding
+        return kernel_call("cleanba_conv_weight_gradient", kernel.shape, x, dy, lo_h=lo_h, lo_w=lo_w)
+    # x convolved with dy as the kernel, the input features as the batch and the batch as the features
     dk = conv(x.transpose(3, 1, 2, 0), dy.transpose(1, 2, 0, 3), padding, precision)  # (in, K, K, out)
-    return dx, dk.transpose(1, 2, 0, 3)
+    return dk.transpose(1, 2, 0, 3)
 
 
 eigen_conv.defvjp(eigen_conv_forward, eigen_conv_backward)
@@ -127,6 +252,8 @@ def max_pool_backward(residuals, dy):
     # (offset 1), and likewise for columns; shares are added in row-major window order, as XLA adds them, so the
     # sums round the same way.
     x, y = residuals
+    if native([(0, 0)], x, dy):
+        return (kernel_call("cleanba_max_pool_gradient", x.shape, x, y, dy),)
     windows, pads = pool_windows(x)
     first = reduce(jnp.minimum, [jnp.where(window == y, k, 9) for k, window in enumerate(windows)])
     share = [jnp.where(first == k, dy, 0.0) for k in range(9)]  # share[3 * row offset + column offset]

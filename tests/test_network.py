@@ -1,7 +1,11 @@
 """cleanba/xla_cpu.py's convolution and max pool against flax's: the same values and gradients, and the
 convolutions XLA:CPU compiles inside a loop all in the layout of its fast kernels."""
 
+import os
 import re
+import subprocess
+import sys
+import tempfile
 
 import flax.linen as nn
 import jax
@@ -64,7 +68,10 @@ def conv_loss(conv, padding):
 
 
 @pytest.mark.parametrize("padding", ["SAME", "VALID", ((2, 0), (0, 1))])
-@pytest.mark.parametrize("shape", [(3, 12, 11, 4, 5, 3), (2, 7, 9, 1, 2, 1), (1, 5, 5, 3, 2, 5)])
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 12, 11, 4, 5, 3), (2, 7, 9, 1, 2, 1), (1, 5, 5, 3, 2, 5), (5, 13, 13, 16, 32, 3), (2, 9, 8, 33, 40, 4)],
+)
 def test_conv_matches_lax(shape, padding):
     """Values, and the input and kernel gradients, against XLA's own gradient of the same convolution."""
     batch, height, width, features, out, k = shape
@@ -80,8 +87,8 @@ def test_conv_matches_lax(shape, padding):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def loop_convolutions(conv) -> list:
-    """The dim_labels of every convolution in the CPU program of the ResNet's gradient inside a rolled lax.scan."""
+def loop_program(conv) -> str:
+    """The CPU program of the ResNet's gradient inside a rolled lax.scan, with conv as the network's convolution."""
     agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8), hidden_dim=16, xla_cpu=True)
     obs = np.random.default_rng(0).integers(0, 255, (3, 2, 4, 42, 42)).astype(np.uint8)  # 3 steps of 2 frames
     params = agent.init(jax.random.key(0), obs[0, :1])
@@ -93,16 +100,69 @@ def loop_convolutions(conv) -> list:
     original = xla_cpu.conv_general_dilated
     xla_cpu.conv_general_dilated = conv
     try:
-        text = jax.jit(update).lower(params, obs).compile().as_text()
+        return jax.jit(update).lower(params, obs).compile().as_text()
     finally:
         xla_cpu.conv_general_dilated = original
+
+
+def convolution_layouts(text: str) -> list:
     return re.findall(r"convolution\(.*dim_labels=([^,\s]+)", text)
 
 
-def test_convolutions_in_a_loop_are_in_eigen_layout():
+def test_convolutions_in_a_loop_are_in_eigen_layout_or_kernels():
     """What makes a rolled gradient loop fast on XLA:CPU: every convolution already in Eigen's layout (batch first,
-    features last, HWIO kernel), since XLA:CPU moves convolutions into it only outside loops (jax issue 12868). With
-    lax's own gradient, the loop holds convolutions in other layouts, which fall back to a naive kernel."""
-    ours, lax_own = loop_convolutions(xla_cpu.conv_general_dilated), loop_convolutions(jax.lax.conv_general_dilated)
-    assert len(ours) >= 3 * 4 and set(ours) == {"b01f_01io->b01f"}, ours
-    assert set(lax_own) - {"b01f_01io->b01f"}, lax_own
+    features last, HWIO kernel), since XLA:CPU moves convolutions into it only outside loops (jax issue 12868); the
+    weight gradients, the max-pool gradients and the 4-channel first convolution are cpu_kernels.cc's custom calls.
+    With lax's own gradient, the loop holds convolutions in other layouts, which fall back to a naive kernel."""
+    assert xla_cpu.cpu_kernels().startswith("native"), xla_cpu.cpu_kernels()
+    ours, lax_own = loop_program(xla_cpu.conv_general_dilated), loop_program(jax.lax.conv_general_dilated)
+    layouts = convolution_layouts(ours)
+    # channels (4, 8): 10 convolutions, of which 4 (the 8 -> 8 ones) read 8 channels or more in the forward and 5 in
+    # the input gradient (dy's channels: 4 -> 8 and 8 -> 8); the others are the kernel's, and the first convolution's
+    # input gradient (the observation's) is never computed
+    assert len(layouts) == 4 + 5 and set(layouts) == {"b01f_01io->b01f"}, layouts
+    calls = re.findall(r'custom_call_target="(cleanba_[a-z_]+)"', ours)
+    assert calls.count("cleanba_conv_weight_gradient") == 10 and calls.count("cleanba_max_pool_gradient") == 2, calls
+    assert calls.count("cleanba_conv") == 6 + 4, calls
+    assert set(convolution_layouts(lax_own)) - {"b01f_01io->b01f"}, lax_own
+
+
+def kernels_child(code: str, **env) -> str:
+    """Runs code in a fresh Python (its own kernel build state and thread affinity) and returns what it printed."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+GRADIENTS = """
+import hashlib, os, sys, jax, numpy as np
+from cleanba import xla_cpu
+rng = np.random.default_rng(0)
+x = rng.standard_normal((9, 21, 21, 16)).astype(np.float32)
+k = rng.standard_normal((3, 3, 16, 32)).astype(np.float32)
+conv = lambda x, k: xla_cpu.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=xla_cpu.EIGEN_LAYOUT)
+loss = lambda x, k: (conv(x, k) ** 3).sum()
+pool = lambda x: (xla_cpu.max_pool(x) ** 3).sum()
+grads = [*jax.jit(jax.grad(loss, argnums=(0, 1)))(x, k), jax.jit(jax.grad(pool))(np.round(x))]
+digest = hashlib.sha256(b"".join(np.asarray(g).tobytes() for g in grads)).hexdigest()
+print("threads", len(os.sched_getaffinity(0)), "digest", digest)
+"""
+
+
+def test_kernels_give_the_same_bits_on_any_number_of_cores():
+    """--exact compares layouts whose devices run with different numbers of free cores: the kernels' sums must not
+    depend on how many threads share the work. Here 1 core against all of them (2 on CI), in fresh processes."""
+    one = kernels_child(f"import os; os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})\n{GRADIENTS}")
+    every = kernels_child(GRADIENTS)
+    assert "native" in one and "threads 1 " in one, one
+    assert one.split("digest")[1] == every.split("digest")[1], (one, every)
+
+
+def test_without_a_compiler_the_network_falls_back_to_xla():
+    """No C++ compiler: the gradients are XLA's (the same values up to rounding), and the run says why."""
+    out = kernels_child(GRADIENTS, CXX="no-such-c++-compiler", CLEANBA_CACHE=tempfile.mkdtemp())
+    assert "XLA's (no C++ compiler 'no-such-c++-compiler' on PATH" in out, out
+    off = kernels_child(GRADIENTS, CLEANBA_CPU_KERNELS="xla")
+    assert "XLA's (CLEANBA_CPU_KERNELS=xla)" in off and off.split("digest")[1] == out.split("digest")[1], (off, out)
