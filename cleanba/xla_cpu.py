@@ -170,10 +170,8 @@ def kernel_call(target: str, shape, *arrays, **attributes):
 
 
 def conv(x, kernel, padding, precision):
-    """The stride-1 NHWC x HWIO convolution. Eigen's, except on fewer than 8 input channels where cpu_kernels.cc is
-    built: there Eigen reaches a tenth of the machine's float32 peak (the first convolution of the ResNet, 4 stacked
-    frames in, on its largest image), the kernel twice that; on 16 and more, Eigen's is the faster."""
-    if x.shape[3] < 8 and native(padding, x, kernel):
+    """The stride-1 NHWC x HWIO convolution: the kernel of cpu_kernels.cc where it is built, else Eigen's."""
+    if native(padding, x, kernel):
         (lo_h, hi_h), (lo_w, hi_w) = padding
         shape = (
             x.shape[0],
