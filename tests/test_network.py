@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import flax.linen as nn
 import jax
@@ -60,31 +62,54 @@ def test_network_gradients_match_flax_pooling():
         np.testing.assert_array_equal(a, b)
 
 
-def conv_loss(conv, padding):
-    def loss(x, kernel):
-        return jnp.sum(jnp.sin(conv(x, kernel, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))))
+def conv_and_gradients(conv, padding, x, kernel, dy):
+    def apply(x, kernel):
+        return conv(x, kernel, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    y, vjp = jax.vjp(apply, x, kernel)
+    return y, *vjp(dy)
 
 
+@contextmanager
+def without_kernels():
+    """The module's other path, as where cpu_kernels.cc cannot be built: XLA's convolutions in Eigen's layout."""
+    saved = dict(xla_cpu.kernel_state)
+    xla_cpu.kernel_state["status"] = "XLA's (this test)"
+    try:
+        yield
+    finally:
+        xla_cpu.kernel_state.clear()
+        xla_cpu.kernel_state.update(saved)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "xla"])
 @pytest.mark.parametrize("padding", ["SAME", "VALID", ((2, 0), (0, 1))])
 @pytest.mark.parametrize(
     "shape",
     [(3, 12, 11, 4, 5, 3), (2, 7, 9, 1, 2, 1), (1, 5, 5, 3, 2, 5), (5, 13, 13, 16, 32, 3), (2, 9, 8, 33, 40, 4)],
 )
-def test_conv_matches_lax(shape, padding):
-    """Values, and the input and kernel gradients, against XLA's own gradient of the same convolution."""
+def test_conv_matches_lax(shape, padding, kernels):
+    """Values, and the input and kernel gradients, against XLA's own convolution and gradients: the same up to
+    float32 rounding (other summation orders), on the kernels of cpu_kernels.cc and on XLA's path without them."""
     batch, height, width, features, out, k = shape
     rng = np.random.default_rng(sum(shape))
     x = rng.standard_normal((batch, height, width, features)).astype(np.float32)
     kernel = rng.standard_normal((k, k, features, out)).astype(np.float32)
-    (value, grads), (expected, expected_grads) = (
-        conv_loss(f, padding)(x, kernel) for f in (xla_cpu.conv_general_dilated, jax.lax.conv_general_dilated)
+    expected = jax.jit(partial(conv_and_gradients, jax.lax.conv_general_dilated, padding))
+    y_shape = jax.eval_shape(
+        lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), padding, dimension_numbers=xla_cpu.EIGEN_LAYOUT),
+        x,
+        kernel,
     )
-    np.testing.assert_allclose(value, expected, rtol=1e-6)
-    for got, want in zip(grads, expected_grads):
-        assert got.shape == want.shape and np.abs(want).sum() > 0
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    dy = rng.standard_normal(y_shape.shape).astype(np.float32)
+    ours = jax.jit(partial(conv_and_gradients, xla_cpu.conv_general_dilated, padding))
+    with nullcontext() if kernels else without_kernels():
+        got, text = ours(x, kernel, dy), ours.lower(x, kernel, dy).as_text()
+    assert ("cleanba_conv" in text) == kernels, text[-2000:]
+    for name, a, b in zip(("y", "dx", "dk"), got, expected(x, kernel, dy)):
+        assert a.shape == b.shape and np.abs(b).sum() > 0, name
+        # each element is a sum of up to k * k * features (y, dx) or batch * height * width (dk) products
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()), err_msg=name)
 
 
 def loop_program(conv) -> str:
@@ -109,22 +134,25 @@ def convolution_layouts(text: str) -> list:
     return re.findall(r"convolution\(.*dim_labels=([^,\s]+)", text)
 
 
-def test_convolutions_in_a_loop_are_in_eigen_layout_or_kernels():
-    """What makes a rolled gradient loop fast on XLA:CPU: every convolution already in Eigen's layout (batch first,
-    features last, HWIO kernel), since XLA:CPU moves convolutions into it only outside loops (jax issue 12868); the
-    weight gradients, the max-pool gradients and the 4-channel first convolution are cpu_kernels.cc's custom calls.
-    With lax's own gradient, the loop holds convolutions in other layouts, which fall back to a naive kernel."""
+def test_convolutions_in_a_loop_are_kernels_or_in_eigen_layout():
+    """What makes a rolled gradient loop fast on XLA:CPU. With cpu_kernels.cc built, every convolution, weight
+    gradient and max-pool gradient is one of its custom calls. Without it, every convolution is already in Eigen's
+    layout (batch first, features last, HWIO kernel), since XLA:CPU moves convolutions into it only outside loops (jax
+    issue 12868). With lax's own gradient, the loop holds convolutions in other layouts, which fall back to a naive
+    kernel."""
     assert xla_cpu.cpu_kernels().startswith("native"), xla_cpu.cpu_kernels()
-    ours, lax_own = loop_program(xla_cpu.conv_general_dilated), loop_program(jax.lax.conv_general_dilated)
-    layouts = convolution_layouts(ours)
-    # channels (4, 8): 10 convolutions, of which 4 (the 8 -> 8 ones) read 8 channels or more in the forward and 5 in
-    # the input gradient (dy's channels: 4 -> 8 and 8 -> 8); the others are the kernel's, and the first convolution's
-    # input gradient (the observation's) is never computed
-    assert len(layouts) == 4 + 5 and set(layouts) == {"b01f_01io->b01f"}, layouts
+    ours = loop_program(xla_cpu.conv_general_dilated)
     calls = re.findall(r'custom_call_target="(cleanba_[a-z_]+)"', ours)
-    assert calls.count("cleanba_conv_weight_gradient") == 10 and calls.count("cleanba_max_pool_gradient") == 2, calls
-    assert calls.count("cleanba_conv") == 6 + 4, calls
-    assert set(convolution_layouts(lax_own)) - {"b01f_01io->b01f"}, lax_own
+    # 10 convolutions (channels (4, 8): 5 per stage): their forward, their weight gradient, and the input gradient of
+    # all but the first (the observation's is never computed); one max pool per stage
+    assert calls.count("cleanba_conv") == 10 + 9 and calls.count("cleanba_conv_weight_gradient") == 10, calls
+    assert calls.count("cleanba_max_pool_gradient") == 2 and not convolution_layouts(ours), calls
+    with without_kernels():
+        fallback = loop_program(xla_cpu.conv_general_dilated)
+    layouts = convolution_layouts(fallback)
+    assert len(layouts) == 3 * 10 - 1 and set(layouts) == {"b01f_01io->b01f"}, layouts
+    assert "custom_call_target" not in fallback
+    assert set(convolution_layouts(loop_program(jax.lax.conv_general_dilated))) - {"b01f_01io->b01f"}
 
 
 def kernels_child(code: str, **env) -> str:
