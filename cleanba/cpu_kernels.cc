@@ -245,14 +245,17 @@ void ForwardTile(const Shape& s, const float* xp, const float* kp, int64_t n, in
     }
 }
 
-// Row r of sample n: tiles of 24 pixels x 1 vector or 12 x 2 (24 accumulators), then smaller ones for the rest.
+// Row r of sample n: tiles of 28 pixels x 1 vector or 12 x 2 (at most 28 accumulators and the kernel's vectors in
+// the 32 registers of AVX-512), then smaller ones for the rest of the row.
 template <int NV, int CI>
 void ForwardRow(const Shape& s, const float* xp, const float* kp, int64_t n, int64_t r, int64_t v0, float* y) {
-  constexpr int wide = NV == 1 ? 24 : 12;
+  constexpr int wide = NV == 1 ? 28 : 12, half = NV == 1 ? 14 : 7;
   int64_t q = 0;
   for (; q + wide <= s.ow; q += wide) ForwardTile<wide, NV, CI>(s, xp, kp, n, r, q, v0, y);
-  for (; q + 8 <= s.ow; q += 8) ForwardTile<8, NV, CI>(s, xp, kp, n, r, q, v0, y);
+  for (; q + half <= s.ow; q += half) ForwardTile<half, NV, CI>(s, xp, kp, n, r, q, v0, y);
+  for (; q + 7 <= s.ow; q += 7) ForwardTile<7, NV, CI>(s, xp, kp, n, r, q, v0, y);
   for (; q + 4 <= s.ow; q += 4) ForwardTile<4, NV, CI>(s, xp, kp, n, r, q, v0, y);
+  for (; q + 2 <= s.ow; q += 2) ForwardTile<2, NV, CI>(s, xp, kp, n, r, q, v0, y);
   for (; q < s.ow; ++q) ForwardTile<1, NV, CI>(s, xp, kp, n, r, q, v0, y);
 }
 
