@@ -4,16 +4,15 @@ inside loops.
 The training scripts' IMPALA ResNet uses them only when JAX runs on the CPU; on accelerators it uses nn.Conv and
 nn.max_pool as they are. tests/test_network.py checks both against flax.
 
-- conv_general_dilated: XLA:CPU hands a convolution to Eigen's fast kernels only in the layout Eigen wants (batch
-  first, features last, an HWIO kernel), and it transposes other convolutions into that layout only in the entry
-  computation, not inside a loop's body (jax issue 12868). The gradients of a convolution never come in that
-  layout, so a gradient step inside lax.scan fell back to a naive kernel, 25-40x slower, and the scripts had to
-  unroll their minibatch loops on the CPU, where XLA:CPU then kept the buffers of every unrolled step alive at
-  once (openxla/xla issue 35719: 23.5 GB for the default PPO update). Here the input gradient is a convolution
-  written in that layout from the start, so loops stay rolled on every platform and memory follows the minibatch.
-  The weight gradient is a C++ kernel of cleanba/cpu_kernels.cc, built here on first use (cpu_kernels below):
-  Eigen runs a weight gradient on one thread at a quarter of its forward's speed, after moving both operands into a
-  batch-innermost layout (docs/performance.md). Without a C++ compiler it is an Eigen-layout convolution too.
+- conv_general_dilated: a stride-1 convolution whose forward, input gradient and weight gradient are the C++ kernels
+  of cleanba/cpu_kernels.cc (XLA FFI custom calls), built here on first use (cpu_kernels below). XLA:CPU's Eigen
+  convolutions reach 23-37 GFLOP/s on the first convolution's 4 input channels, and run a weight gradient on one
+  thread after moving both operands into a batch-innermost layout, half of a gradient's time (docs/performance.md).
+  Without the kernels (no C++ compiler), the two gradients are convolutions written in the layout Eigen wants (batch
+  first, features last, an HWIO kernel): XLA:CPU transposes other convolutions into it only in the entry
+  computation, not inside a loop's body (jax issue 12868), so lax's own gradients inside lax.scan fell back to a
+  naive kernel, 25-40x slower, and unrolled loops kept every step's buffers alive at once (openxla/xla issue 35719:
+  23.5 GB for the default PPO update). Either way the loops stay rolled and memory follows the minibatch.
 - max_pool: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") without XLA:CPU's slow select_and_scatter, whose
   gradient was 30% of the default network's gradient time. Its gradient, bitwise select_and_scatter's, is the C++
   kernel of cpu_kernels.cc where it is built, else the same routing in jax.numpy (a third of select_and_scatter's
@@ -50,7 +49,7 @@ kernel_state: dict = {}
 
 
 def cpu_kernels() -> str:
-    """Builds and registers cleanba/cpu_kernels.cc once per process; says which gradients the CPU network uses.
+    """Builds and registers cleanba/cpu_kernels.cc once per process; says whether the CPU network uses them, or why not.
 
     The library is compiled for this machine's CPU (-march=native) with the C++ compiler in $CXX (default c++),
     against the XLA FFI headers of the installed jaxlib, and cached under $CLEANBA_CACHE (default
@@ -60,7 +59,7 @@ def cpu_kernels() -> str:
     with kernel_lock:
         if "status" not in kernel_state:
             kernel_state["status"] = build_and_register()
-            print(f"XLA:CPU kernels for the ResNet's gradients: {kernel_state['status']}", flush=True)
+            print(f"XLA:CPU kernels of the ResNet (cleanba/cpu_kernels.cc): {kernel_state['status']}", flush=True)
         return kernel_state["status"]
 
 
