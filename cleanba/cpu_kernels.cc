@@ -349,25 +349,20 @@ ffi::Error MaxPoolGradient(ffi::ThreadPool pool, Array4 x, Array4 y, Array4 dy, 
   return ffi::Error::Success();
 }
 
+// x, a kernel or dy, the result, and the low padding: the bindings of both convolution kernels.
+auto ConvolutionBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<Array4>()
+      .Arg<Array4>()
+      .Ret<Array4>()
+      .Attr<int64_t>("lo_h")
+      .Attr<int64_t>("lo_w");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CleanbaConvWeightGradient, ConvWeightGradient,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Array4>()
-                                  .Arg<Array4>()
-                                  .Ret<Array4>()
-                                  .Attr<int64_t>("lo_h")
-                                  .Attr<int64_t>("lo_w"));
-
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CleanbaConv, Conv, ConvolutionBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CleanbaConvWeightGradient, ConvWeightGradient, ConvolutionBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CleanbaMaxPoolGradient, MaxPoolGradient,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Array4>().Arg<Array4>().Arg<Array4>().Ret<Array4>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CleanbaConv, Conv,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Array4>()
-                                  .Arg<Array4>()
-                                  .Ret<Array4>()
-                                  .Attr<int64_t>("lo_h")
-                                  .Attr<int64_t>("lo_w"));
