@@ -1,0 +1,179 @@
+"""One PPO learner iteration of cleanba_ppo.py against a plain reference written from the PPO paper and CleanRL's
+update: the values of every observation from one forward pass, GAE by a loop, each epoch cut into minibatches that
+hold every sample once, advantages normalised over the valid samples of the minibatch, the clipped loss as one mean
+over the minibatch, Adam after global-norm clipping, the learning rate annealed per iteration. The script computes
+the same thing in pieces (value pass in chunks, groups of envs, micro-batches, masked sums); the pieces CartPole
+cannot exercise are checked here on Atari observations, with episode ends and auto-reset steps in the rollout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tyro
+from jax.sharding import Mesh
+from test_advantages import episode_data, gae_loop
+
+from cleanba import cleanba_ppo
+
+T, N, MINIBATCHES, EPOCHS = 8, 4, 2, 2
+OBS_SHAPE = (4, 12, 12)  # a small Atari frame stack: the ResNet's convolutions, pools and dense layers all run
+
+
+def make_args(extra: list):
+    args = tyro.cli(
+        cleanba_ppo.Args,
+        args=[
+            "--env-id",
+            "Breakout-v5",
+            "--channels",
+            "4",
+            "8",
+            "--hidden-dim",
+            "16",
+            "--num-actor-threads",
+            "1",
+            "--local-num-envs",
+            str(N),
+            "--num-steps",
+            str(T),
+            "--num-minibatches",
+            str(MINIBATCHES),
+            "--update-epochs",
+            str(EPOCHS),
+            "--total-timesteps",
+            str(3 * T * N),  # 3 iterations: the learning rate anneals from one to the next
+            *extra,
+        ],
+    )
+    cleanba_ppo.check_args(args)
+    cleanba_ppo.fill_runtime_sizes(args, 1, 0)
+    assert args.num_iterations == 3
+    return args
+
+
+def make_rollout(agent, params, seed: int):
+    """Random frames with the episode structure of test_advantages (terminations, truncations, invalid auto-reset
+    steps), rewards in {-1, 0, 1}, and behaviour log-probabilities near the current policy's, so that some ratios
+    leave the clip range."""
+    rng = np.random.default_rng(seed)
+    _, _, terminations, truncations, valid = episode_data(seed, T, N)
+    obs = rng.integers(0, 256, size=(T + 1, N, *OBS_SHAPE), dtype=np.uint8)
+    rewards = rng.choice(np.array([-1.0, 0.0, 1.0], np.float32), size=(T, N), p=[0.2, 0.5, 0.3])
+    rewards[~valid] = 0.0
+    logits, _ = agent.apply(params, obs[:-1].reshape(T * N, *OBS_SHAPE))
+    actions = rng.integers(0, logits.shape[-1], size=(T, N)).astype(np.int32)
+    logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), actions.reshape(-1, 1), axis=1).reshape(T, N)
+    return cleanba_ppo.Rollout(
+        obs=obs,
+        actions=actions,
+        logprobs=(logp + rng.normal(0, 0.3, (T, N))).astype(np.float32),
+        rewards=rewards,
+        terminations=terminations,
+        truncations=truncations,
+        valid=valid,
+        env_ids=np.arange(N, dtype=np.int32)[None],
+    )
+
+
+def reference_minibatches(shuffle_key, step: int, env_ids, epoch: int) -> list:
+    """The documented order: each env's time steps shuffled with a key of (shuffle key, train step, epoch, env id),
+    cut into MINIBATCHES equal parts; minibatch m takes part m of every env. [(time index, env index) arrays]."""
+    key = jax.random.fold_in(jax.random.fold_in(shuffle_key, step), epoch)
+    perms = [np.asarray(jax.random.permutation(jax.random.fold_in(key, int(i)), T)) for i in env_ids]
+    rows = T // MINIBATCHES
+    return [
+        (np.concatenate([p[m * rows : (m + 1) * rows] for p in perms]), np.repeat(np.arange(N), rows))
+        for m in range(MINIBATCHES)
+    ]
+
+
+def reference_loss(agent, args, params, obs, actions, logprobs, advantages, returns):
+    logits, values = agent.apply(params, obs)
+    logp = jax.nn.log_softmax(logits)
+    logratio = jnp.take_along_axis(logp, actions[:, None], axis=1)[:, 0] - logprobs
+    ratio = jnp.exp(logratio)
+    clipped = jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    policy_loss = jnp.mean(jnp.maximum(-advantages * ratio, -advantages * clipped))
+    value_loss = jnp.mean(0.5 * (values - returns) ** 2)
+    entropy = jnp.mean(-jnp.sum(jnp.exp(logp) * logp, axis=1))
+    approx_kl = jnp.mean((ratio - 1) - logratio)
+    clipfrac = jnp.mean(jnp.abs(ratio - 1) > args.clip_coef)
+    loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss
+    metrics = dict(policy_loss=policy_loss, value_loss=value_loss, entropy=entropy, approx_kl=approx_kl)
+    return loss, dict(metrics, loss=loss, clipfrac=clipfrac)
+
+
+def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, rollout):
+    """One iteration, the plain way. Returns params, optimizer state, step and the metrics of every minibatch."""
+    values = np.asarray(agent.apply(params, rollout.obs.reshape(-1, *OBS_SHAPE))[1]).reshape(T + 1, N)
+    advantages = gae_loop(
+        rollout.rewards, values, rollout.terminations, rollout.truncations, args.gamma, args.gae_lambda
+    ).astype(np.float32)
+    returns = advantages + values[:-1]
+    iteration = step // (EPOCHS * MINIBATCHES)
+    learning_rate = args.learning_rate * (1 - iteration / args.num_iterations)
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(learning_rate, eps=1e-5))
+    grad_fn = jax.jit(jax.grad(lambda p, *batch: reference_loss(agent, args, p, *batch), has_aux=True))
+    metrics, seen, first_step = [], [], step
+    for epoch in range(EPOCHS):
+        minibatches = reference_minibatches(shuffle_key, first_step, rollout.env_ids[0], epoch)
+        seen.append(sorted(zip(*(idx.tolist() for idx in np.concatenate([np.stack(m) for m in minibatches], 1)))))
+        for t, j in minibatches:
+            keep = rollout.valid[t, j]  # the auto-reset steps are not learned from
+            t, j = t[keep], j[keep]
+            adv = advantages[t, j]
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            batch = (rollout.obs[t, j], rollout.actions[t, j], rollout.logprobs[t, j], adv, returns[t, j])
+            grads, minibatch_metrics = grad_fn(params, *batch)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            metrics.append(minibatch_metrics)
+            step += 1
+    every_sample = sorted((t, j) for t in range(T) for j in range(N))
+    assert all(s == every_sample for s in seen), "an epoch's minibatches must hold every sample exactly once"
+    return params, opt_state, step, metrics
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--gradient-accumulation-steps", "2"],  # value pass in 4 chunks of 2 steps, 2 micro-batches per step
+        ["--exact", "--group-envs", "2"],  # 2 groups of envs, summed one at a time in key order
+    ],
+    ids=["micro-batches", "exact-groups"],
+)
+def test_two_iterations_match_the_plain_reference(extra):
+    args = make_args(extra)
+    mesh = Mesh(np.array(jax.local_devices()[:1]), ("learner",))
+    agent = cleanba_ppo.make_network(args, num_actions=18)
+    init_key, shuffle_key = jax.random.split(jax.random.key(7))
+    space = type("Space", (), {"shape": OBS_SHAPE, "dtype": np.uint8})
+    state = cleanba_ppo.initial_state(agent, args, space, init_key)
+    update = cleanba_ppo.make_learner_update(agent, args, shuffle_key, mesh, 1)
+
+    params = state.params
+    opt_state = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1.0)).init(params)
+    step = 0
+    for seed in (1, 2):  # seeds whose rollouts hold terminations and truncations (episode_data checks)
+        before = params
+        rollout = make_rollout(agent, params, seed)
+        state, logged = update(state, (cleanba_ppo.Rollout(*map(jnp.asarray, rollout)),))
+        params, opt_state, step, metrics = reference_iteration(
+            agent, args, shuffle_key, params, opt_state, step, rollout
+        )
+        assert int(state.step) == step
+        for name in ("loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac"):
+            expected = np.mean([float(m[name]) for m in metrics])
+            np.testing.assert_allclose(float(logged[name]), expected, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert 0 < float(logged["clipfrac"]) < 1, "the rollout should put some ratios outside the clip range"
+        for path, got, want in zip(
+            jax.tree_util.tree_leaves_with_path(state.params),
+            jax.tree.leaves(state.params),
+            jax.tree.leaves(params),
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path[0]))
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.params))
+        # The parameters moved by far more than the tolerance: an update that did nothing would fail above.
+        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before)))
+        assert moved > 100 * 1e-6
