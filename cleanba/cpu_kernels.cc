@@ -64,10 +64,14 @@ void Tile(const Shape& s, const float* xp, const float* dp, int64_t samples, int
       const float* drow = dp + ((n * s.oh + r) * s.ow) * s.cop + v0 * kLanes;
       for (int64_t q = 0; q < s.ow; ++q) {
         Vec d[NV];
+#pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) std::memcpy(&d[v], drow + q * s.cop + v * kLanes, sizeof(Vec));
+#pragma GCC unroll 3
         for (int j = 0; j < KT; ++j) {
           const float* xv = xrow + (q + j) * s.ci;
+#pragma GCC unroll 8
           for (int c = 0; c < CT; ++c)
+#pragma GCC unroll 2
             for (int v = 0; v < NV; ++v) acc[j][c][v] += xv[c] * d[v];
         }
       }
@@ -230,18 +234,25 @@ void ForwardTile(const Shape& s, const float* xp, const float* kp, int64_t n, in
       const float* kv = kp + (i * s.kw + j) * ci * s.cop + v0 * kLanes;
       for (int64_t c = 0; c < ci; ++c) {
         Vec k[NV];
+#pragma GCC unroll 2
         for (int v = 0; v < NV; ++v) std::memcpy(&k[v], kv + c * s.cop + v * kLanes, sizeof(Vec));
+#pragma GCC unroll 28
         for (int p = 0; p < P; ++p)
+#pragma GCC unroll 2
           for (int v = 0; v < NV; ++v) acc[p][v] += xv[p * ci + c] * k[v];
       }
     }
   for (int p = 0; p < P; ++p)
     for (int v = 0; v < NV; ++v) {
-      float lanes[kLanes];
-      std::memcpy(lanes, &acc[p][v], sizeof(Vec));
       int64_t o0 = (v0 + v) * kLanes;
       float* dst = y + ((n * s.oh + r) * s.ow + q0 + p) * s.co + o0;
-      for (int64_t l = 0; l < std::min<int64_t>(kLanes, s.co - o0); ++l) dst[l] = lanes[l];
+      if (o0 + kLanes <= s.co) {  // a whole vector: one store
+        std::memcpy(dst, &acc[p][v], sizeof(Vec));
+        continue;
+      }
+      float lanes[kLanes];
+      std::memcpy(lanes, &acc[p][v], sizeof(Vec));
+      for (int64_t l = 0; l < s.co - o0; ++l) dst[l] = lanes[l];
     }
 }
 
