@@ -133,8 +133,8 @@ def minibatch_classes(args: "Args") -> int:
 
 
 def conv_and_pool(channels: int, xla_cpu: bool):
-    """The ResNet's 3x3 convolution and its 3x3, stride-2 max pool. On XLA:CPU those of cleanba/xla_cpu.py: the same
-    values and gradients, and fast inside the learner's loops (docs/performance.md); elsewhere flax's."""
+    """The ResNet's 3x3 convolution and its 3x3, stride-2 max pool. On XLA:CPU those of cleanba/xla_cpu.py (flax's
+    values and gradients up to float32 rounding, fast inside the learner's loops: docs/performance.md); else flax's."""
     if not xla_cpu:
         return nn.Conv(channels, (3, 3)), partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
     from cleanba import xla_cpu
