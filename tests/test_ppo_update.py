@@ -77,8 +77,9 @@ def make_rollout(agent, params, seed: int):
 
 
 def reference_minibatches(shuffle_key, step: int, env_ids, epoch: int) -> list:
-    """The documented order: each env's time steps shuffled with a key of (shuffle key, train step, epoch, env id),
-    cut into MINIBATCHES equal parts; minibatch m takes part m of every env. [(time index, env index) arrays]."""
+    """The documented order: each env's time steps shuffled with a key of (shuffle key, train step at the start of
+    the iteration, epoch, env id), cut into MINIBATCHES equal parts; minibatch m takes part m of every env.
+    [(time index, env index) arrays]."""
     key = jax.random.fold_in(jax.random.fold_in(shuffle_key, step), epoch)
     perms = [np.asarray(jax.random.permutation(jax.random.fold_in(key, int(i)), T)) for i in env_ids]
     rows = T // MINIBATCHES
@@ -118,7 +119,7 @@ def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, 
     metrics, seen, first_step = [], [], step
     for epoch in range(EPOCHS):
         minibatches = reference_minibatches(shuffle_key, first_step, rollout.env_ids[0], epoch)
-        seen.append(sorted(zip(*(idx.tolist() for idx in np.concatenate([np.stack(m) for m in minibatches], 1)))))
+        seen.append(sorted((int(t), int(j)) for ts, js in minibatches for t, j in zip(ts, js)))
         for t, j in minibatches:
             keep = rollout.valid[t, j]  # the auto-reset steps are not learned from
             t, j = t[keep], j[keep]
