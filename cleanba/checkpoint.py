@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import flax.serialization
+import numpy as np
 
 
 def write_atomically(path: Path, payload: dict):
@@ -41,21 +42,24 @@ def load_model(path: Path):
     return json.loads(payload["args"]), payload["params"], payload.get("script")
 
 
-def save_checkpoint(path: Path, args: dict, train_state, iteration: int):
+def save_checkpoint(path: Path, args: dict, train_state, iteration: int, episode_window: dict):
     """Params, optimizer state and its step count, the iteration (which fixes the global step, the policy
-    versions and the actors' RNG counters) and the args (which fix the seeds)."""
+    versions and the actors' RNG counters), the args (which fix the seeds) and the logger's window of the last
+    games' returns and lengths (so the first curve point after a resume averages as many games as before)."""
     write_atomically(
         path,
         {
             "args": json.dumps(args),
             "iteration": iteration,
             "train_state": flax.serialization.to_state_dict(train_state),
+            "episode_window": episode_window,
         },
     )
 
 
 def load_checkpoint(path: Path, args: dict, template, may_change: set):
-    """Returns (iteration, train state like template) of a checkpoint; ValueError, naming the flags, where its
+    """Returns (iteration, train state like template, episode window) of a checkpoint; the window is empty in a
+    checkpoint written before it was saved. ValueError, naming the flags, where its
     flags differ from args in one that is not in may_change (those change where or how a run computes or reports,
     not what it learns: the scripts mark them resumable)."""
     payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
@@ -67,4 +71,6 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set):
     ]
     if conflicts:
         raise ValueError(f"the checkpoint {path} was trained with {', '.join(conflicts)}")
-    return payload["iteration"], flax.serialization.from_state_dict(template, payload["train_state"])
+    empty = {"returns": np.zeros(0), "lengths": np.zeros(0)}
+    window = {key: np.asarray(value) for key, value in payload.get("episode_window", empty).items()}
+    return payload["iteration"], flax.serialization.from_state_dict(template, payload["train_state"]), window

@@ -998,12 +998,12 @@ def start(args: Args) -> Run:
         from cleanba.evaluate import check_network
 
         check_network(sys.modules[__name__], args, first_replica(run.state.params))
-    run.completed = 0
+    run.completed, run.episode_window = 0, None
     if resume:
         from cleanba import checkpoint
 
         try:
-            completed, restored = checkpoint.load_checkpoint(
+            completed, restored, run.episode_window = checkpoint.load_checkpoint(
                 run.checkpoint_path, asdict(args), host(run.state), resumable_flags(args)
             )
         except ValueError as error:
@@ -1015,7 +1015,8 @@ def start(args: Args) -> Run:
         print(
             f"rank {args.process_index}: resumed {run.checkpoint_path} at iteration {completed} (global step "
             f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
-            f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}",
+            f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}; its last games' returns "
+            f"{run.episode_window['returns'].tolist()}",
             flush=True,
         )
     run.start_iteration = run.completed + 1
@@ -1033,7 +1034,7 @@ def start(args: Args) -> Run:
     run.logger = None  # only process 0 writes logs, checkpoints and the model
     if args.process_index == 0:
         purge_step = run.completed * args.batch_size + 1 if resume else None  # drop logs after it
-        run.logger = IterationLogger(args, run_name, run.run_dir, purge_step)
+        run.logger = IterationLogger(args, run_name, run.run_dir, purge_step, run.episode_window)
         pads = sum(
             len(pad_ids)
             for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs), len(run.local_learner_devices))
@@ -1170,7 +1171,9 @@ def train(run: Run):
 def save_checkpoint(run: Run):
     from cleanba import checkpoint  # optional file I/O, imported only when used
 
-    checkpoint.save_checkpoint(run.checkpoint_path, asdict(run.args), host(run.state), run.completed)
+    checkpoint.save_checkpoint(
+        run.checkpoint_path, asdict(run.args), host(run.state), run.completed, run.logger.episode_window()
+    )
 
 
 def stop_run(run: Run):

@@ -301,9 +301,10 @@ def format_duration(seconds: float) -> str:
 class IterationLogger:
     """The writer's TensorBoard (and, with --track, wandb) logs: stats/ every iteration; charts/, losses/ and the
     console line every log_frequency iterations. On resume, what the stopped run logged after its checkpoint is
-    dropped (purge_step), so the curves continue from there."""
+    dropped (purge_step), so the curves continue from there, with the window of the last 20 games the checkpoint
+    saved (episode_window)."""
 
-    def __init__(self, args, run_name: str, run_dir: Path, purge_step=None):
+    def __init__(self, args, run_name: str, run_dir: Path, purge_step=None, episode_window=None):
         if args.track:
             import wandb
 
@@ -323,6 +324,9 @@ class IterationLogger:
             "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()),
         )
         self.recent_returns, self.recent_lengths = deque(maxlen=20), deque(maxlen=20)
+        if episode_window is not None:
+            self.recent_returns.extend(episode_window["returns"].tolist())
+            self.recent_lengths.extend(episode_window["lengths"].tolist())
         self.window_start, self.window_steps = time.time(), 0
 
     def log(
@@ -383,6 +387,10 @@ class IterationLogger:
             f"ETA {format_duration(eta)}",
             flush=True,
         )
+
+    def episode_window(self) -> dict:
+        """The returns and lengths of the last 20 games, oldest first: what a checkpoint saves."""
+        return {"returns": np.array(self.recent_returns), "lengths": np.array(self.recent_lengths)}
 
     def close(self):
         self.writer.close()

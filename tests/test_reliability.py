@@ -181,6 +181,9 @@ def test_resume_continues_the_run(script, tmp_path):
     args = [*long_args(script, iterations), "--checkpoint-frequency", 7, "--run-name", "resume"]
     process = start(script, args, tmp_path)
     wait_for_training(process)
+    for line in process.stdout:  # until a game has ended, so that the checkpoint has some in its window
+        if re.search(r"\| return \d", line):
+            break
     stop_and_wait(process, signal.SIGTERM)
     assert process.returncode == 143
     payload = load_checkpoint_file(tmp_path / "runs" / "resume" / "checkpoint.msgpack")
@@ -224,3 +227,26 @@ def test_resume_continues_the_run(script, tmp_path):
     after = (saved_iteration + 1) * run_args.batch_size
     expected = run_args.learning_rate * (1 - saved_iteration / iterations)  # what iteration K + 1 used
     assert learning_rates[after] == pytest.approx(expected, rel=1e-5)
+
+    # The checkpoint keeps the window of the last 20 games behind the return curve, and the resumed run starts
+    # from it (an empty window would make the first point after a resume average only the shortest games).
+    window = payload["episode_window"]
+    assert 1 <= len(window["returns"]) == len(window["lengths"]) <= 20
+    returns = dict(logged["charts/episodic_return"])
+    assert returns[saved_iteration * run_args.batch_size] == pytest.approx(np.mean(window["returns"]), rel=1e-6)
+    assert f"its last games' returns {window['returns'].tolist()}" in resumed.stdout
+
+
+def test_logger_starts_from_the_saved_window(tmp_path):
+    from cleanba.cleanba_ppo import Args
+    from cleanba.plumbing import IterationLogger
+
+    args = Args()
+    saved = {"returns": np.arange(20.0), "lengths": np.arange(20.0) * 10}
+    logger = IterationLogger(args, "window", tmp_path, purge_step=None, episode_window=saved)
+    logger.recent_returns.extend([100.0, 101.0])  # two more games: the two oldest leave the window
+    logger.recent_lengths.extend([1000.0, 1010.0])
+    window = logger.episode_window()
+    logger.close()
+    assert window["returns"].tolist() == [*range(2, 20), 100.0, 101.0]
+    assert window["lengths"].tolist() == [*range(20, 200, 10), 1000.0, 1010.0]
