@@ -59,7 +59,9 @@ Figures (one table row per phase; all of them, per window too, in the JSON file)
                    a window / the wall time between the end of the window's first and last iterations.
     / ceiling      SPS over the ceiling's: the share of raw EnvPool speed that the phase keeps.
     compile s      actor: the first rollout's time minus the median rollout time (the policy's compilation).
-                   learner, sync, concurrent: the first update's time minus the median update time.
+                   learner: from the start of the ahead-of-time compile to the end of the first update, less
+                   the median update time. sync, concurrent: the script's own stats/learner_compile_time (it
+                   compiles the update ahead of time, so its first update waits for no compile).
     learner wait   sync, concurrent: median seconds per iteration the learner waited for rollouts
                    (stats/rollout_queue_wait; large: the actor is the bottleneck).
     actor wait     sync, concurrent: median seconds per iteration an actor waited for params plus to hand over
@@ -913,7 +915,7 @@ def read_stats(run_dir: Path, batch_size: int) -> dict:
 
 def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
     stats = read_stats(run_dir, sizes["batch_size"])
-    ends, update_times = stats["learner_update_time"]
+    ends = stats["learner_update_time"][0]
     if len(ends) != sizes["num_iterations"]:
         sys.exit(f"benchmark: {run_dir} holds {len(ends)} iterations, expected {sizes['num_iterations']}")
     bounds = window_boundaries(ends, bench)
@@ -929,7 +931,7 @@ def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
         sps=median(windows),
         window_sps=windows,
         window_bounds=bounds,
-        compile_s=float(update_times[0]) - update_time,
+        compile_s=float(stats["learner_compile_time"][1][0]),
         actor_compile_s=float(stats["actor_rollout_time"][1][0]) - rollout_time,
         learner_update_time_s=update_time,
         actor_rollout_time_s=rollout_time,

@@ -302,9 +302,10 @@ class IterationLogger:
     """The writer's TensorBoard (and, with --track, wandb) logs: stats/ every iteration; charts/, losses/ and the
     console line every log_frequency iterations. On resume, what the stopped run logged after its checkpoint is
     dropped (purge_step), so the curves continue from there, with the window of the last 20 games the checkpoint
-    saved (episode_window)."""
+    saved (episode_window). compile_time, the seconds the learner update took to compile ahead of time, is logged
+    once, as stats/learner_compile_time at the first iteration this process logs."""
 
-    def __init__(self, args, run_name: str, run_dir: Path, purge_step=None, episode_window=None):
+    def __init__(self, args, run_name: str, run_dir: Path, purge_step=None, episode_window=None, compile_time=None):
         if args.track:
             import wandb
 
@@ -328,6 +329,7 @@ class IterationLogger:
             self.recent_returns.extend(episode_window["returns"].tolist())
             self.recent_lengths.extend(episode_window["lengths"].tolist())
         self.window_start, self.window_steps = time.time(), 0
+        self.compile_time = compile_time
 
     def log(
         self,
@@ -359,6 +361,8 @@ class IterationLogger:
         }
         for name in infos[0].timings:  # where the actors' rollout time went, e.g. stats/actor_env_recv_time
             stats[f"actor_{name}_time"] = float(np.mean([info.timings[name] for info in infos]))
+        if self.compile_time is not None:
+            stats["learner_compile_time"], self.compile_time = self.compile_time, None
         for key, value in stats.items():
             writer.add_scalar(f"stats/{key}", value, global_step)
         if iteration % args.log_frequency and iteration != args.num_iterations:

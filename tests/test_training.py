@@ -67,6 +67,9 @@ def test_layout_trains_and_logs(script, layout, concurrency, tmp_path_factory):
         values = [value for _, value in logged[tag]]
         assert len(values) == ITERATIONS and np.all(np.isfinite(values)), tag
     assert all(value > 0 for _, value in logged["charts/SPS"])
+    # The ahead-of-time compile of the update, once, at the first iteration (benchmark.py's compile s).
+    [(step, compile_time)] = logged["stats/learner_compile_time"]
+    assert step == total // ITERATIONS and 0 < compile_time < 600
     learning_rates = [value for _, value in logged["charts/learning_rate"]]
     assert learning_rates == sorted(learning_rates, reverse=True) and learning_rates[-1] < learning_rates[0]
     # The one-step lag protocol, read from the logged policy versions of every iteration.
