@@ -37,9 +37,14 @@ def save_model(path: Path, script: str, args: dict, params):
 
 
 def load_model(path: Path):
-    """Returns (args dict, params, file name of the training script) of a file written by save_model."""
+    """Returns (args dict, params, file name of the training script) of a file written by save_model, or of a
+    checkpoint (its train state's params; its script is the one its exp_name names, the script's stem by
+    default), so that a run stopped before its end can be evaluated too."""
     payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
-    return json.loads(payload["args"]), payload["params"], payload.get("script")
+    args = json.loads(payload["args"])
+    if "train_state" in payload:
+        return args, payload["train_state"]["params"], f"{args.get('exp_name')}.py"
+    return args, payload["params"], payload.get("script")
 
 
 def save_checkpoint(path: Path, args: dict, train_state, iteration: int, episode_window: dict):

@@ -2,6 +2,7 @@
 
     python -m cleanba.evaluate runs/<run_name>/cleanba_ppo.cleanba_model --episodes 10 --capture-video
     python -m cleanba.evaluate MODEL --greedy --upload-model --hf-repo-id my-name/breakout-cleanba-ppo
+    python -m cleanba.evaluate runs/<run_name>/checkpoint.msgpack --episodes 10   # a run not finished yet
 
 The model file (written by either training script's --save-model) holds the args and params; the network and
 the env wrappers come from the training script that wrote it (its file name is in the model file; --script
@@ -35,7 +36,7 @@ VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 fram
 @dataclass
 class Args:
     model: tyro.conf.Positional[Path]
-    """a .cleanba_model file written by --save-model"""
+    """a .cleanba_model file written by --save-model, or a run's checkpoint.msgpack (its params at that iteration)"""
     episodes: int = 10
     """the number of episodes to play"""
     num_envs: int = 8
@@ -355,7 +356,12 @@ def main(args: Args):
     if args.episodes < 1 or args.num_envs < 1:
         fail(f"--episodes={args.episodes} and --num-envs={args.num_envs} must be at least 1")
     if not args.model.is_file():
-        fail(f"{args.model} is not a file; give the .cleanba_model written by a training run's --save-model")
+        fail(
+            f"{args.model} is not a file; give the .cleanba_model written by a training run's --save-model, or its "
+            "checkpoint.msgpack"
+        )
+    if args.upload_model and args.model.suffix != ".cleanba_model":
+        fail(f"--upload-model uploads a .cleanba_model (params and args only), not {args.model.name}")
     if args.upload_model:
         check_hub_login()
     train_args_dict, params, script_name = load_model(args.model)

@@ -80,6 +80,33 @@ def test_cli_plays_the_asked_episodes_with_video(tmp_path):
     assert all(video_frames(video) - 1 in lengths for video in videos)
 
 
+def test_cli_plays_a_checkpoint_as_the_model_of_its_iteration(tmp_path):
+    """A run stopped before its end has no .cleanba_model: its checkpoint is evaluated instead. The last
+    iteration's checkpoint holds the params the model file holds, so both play the same games."""
+    _, model = train_and_save("ppo", tmp_path, ["--eval-episodes", 0, "--checkpoint-frequency", 1])
+    checkpoint = run_dir(tmp_path) / "checkpoint.msgpack"
+
+    def play(path):
+        command = [*EVALUATE, path, "--episodes", 4, "--num-envs", 2, "--seed", 7]
+        process = subprocess.run(
+            list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+        )
+        check_ok(process)
+        return [line for line in process.stdout.splitlines() if line.startswith("episode ")]
+
+    games = play(checkpoint)
+    assert len(games) == 4 and games == play(model)
+    refused = subprocess.run(
+        list(map(str, [*EVALUATE, checkpoint, "--upload-model"])),
+        cwd=ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "--upload-model uploads a .cleanba_model" in refused.stderr
+
+
 def test_cli_on_atari_scores_whole_games(tmp_path):
     """Machado protocol: no life-loss signal, so an episode is a whole game of Breakout (5 lives)."""
     process = run_script(
