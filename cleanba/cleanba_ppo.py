@@ -180,7 +180,9 @@ class Agent(nn.Module):
             for channels in self.channels:
                 x = ConvSequence(channels, self.xla_cpu)(x)
             x = nn.relu(x.reshape(x.shape[0], -1))
-            policy_features = value_features = nn.relu(nn.Dense(self.hidden_dim)(x))
+            # Orthogonal with gain sqrt(2) for the ReLU layer, as the original Cleanba's (and the heads below).
+            dense = nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))
+            policy_features = value_features = nn.relu(dense(x))
         else:
             policy_features, value_features = self.mlp(obs), self.mlp(obs)
         logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(policy_features)
