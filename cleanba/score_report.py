@@ -29,7 +29,8 @@ Writes to --out-dir: scores.csv (variant, game, seed: raw and normalized final s
 the aggregates), aggregates.csv and aggregates.md (per variant: the four metrics with CI bounds), and PNGs at
 100 dpi with these sizes in pixels (width x height):
     aggregate_vs_steps.png, aggregate_vs_time.png   800 x 500: --curve-metric with its CI band per variant
-    per_game.png    300 x 240 per game, up to 8 games a row, plus a 60 px legend band on top
+    per_game.png    300 x 240 per game, up to 8 games a row, plus a legend band on top: 60 px for its first
+                    row of variants, 18 px for each further row (one variant per 200 px of width, up to 6)
     intervals.png   1400 x (130 + 45 per variant): rliable's interval plot of the four metrics
 """
 
@@ -67,6 +68,8 @@ AGGREGATE_SIZE = (800, 500)
 PANEL_SIZE = (300, 240)
 PER_GAME_COLUMNS = 8
 LEGEND_BAND = 60
+LEGEND_ROW = 18  # each further row of per_game.png's legend
+LEGEND_ENTRY_WIDTH = 200  # px of figure width per legend column: the longest variant names fit
 INTERVALS_WIDTH, INTERVALS_BASE_HEIGHT, INTERVALS_ROW_HEIGHT = 1400, 130, 45
 
 # rliable 1.2 hands a RandomState to arch, which warns that this is deprecated; nothing to fix on our side.
@@ -552,7 +555,10 @@ def per_game_lines(runs: list, variants: list, tag: str):
 def plot_per_game(lines: dict, path: Path, colors: dict, tag: str):
     columns = min(len(lines), PER_GAME_COLUMNS)
     rows = math.ceil(len(lines) / columns)
-    width, height = PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows + LEGEND_BAND
+    width = PANEL_SIZE[0] * columns
+    legend_columns = max(1, min(len(colors), 6, width // LEGEND_ENTRY_WIDTH))
+    band = LEGEND_BAND + LEGEND_ROW * (math.ceil(len(colors) / legend_columns) - 1)
+    height = PANEL_SIZE[1] * rows + band
     figure, axes = new_figure(width, height, rows, columns)
     for axis, (game, by_variant) in zip(axes.flat, lines.items()):
         for variant, (grid, mean, low, high) in by_variant.items():
@@ -566,7 +572,7 @@ def plot_per_game(lines: dict, path: Path, colors: dict, tag: str):
     figure.legend(
         handles=[plt.Line2D([], [], color=color, label=variant) for variant, color in colors.items()],
         loc="upper center",
-        ncol=min(len(colors), 6),
+        ncol=legend_columns,
         frameon=False,
         fontsize="small",
         title="mean over seeds, min-max shaded",
@@ -574,7 +580,7 @@ def plot_per_game(lines: dict, path: Path, colors: dict, tag: str):
     )
     figure.supxlabel("environment steps", fontsize="small")
     figure.supylabel(tag, fontsize="small")
-    figure.tight_layout(rect=(0, 0, 1, 1 - LEGEND_BAND / height))
+    figure.tight_layout(rect=(0, 0, 1, 1 - band / height))
     save_figure(figure, path)
 
 

@@ -252,6 +252,26 @@ def test_reference_scores_file(tmp_path):
     assert scores.normalized_score.tolist() == pytest.approx([0.5, 1.0])  # (261 - 22) / 478, (500 - 22) / 478
 
 
+def test_per_game_legend_of_long_variant_names_fits(tmp_path):
+    """One game, four variants named by three keys: the legend takes one column per 200 px of width and a row
+    per variant beyond the first, so no name runs off the 300 px figure."""
+    for seed, name in enumerate(["breakout-impala-cpu", "breakout-ppo-cpu", "breakout-ppo-cpu-1024", "breakout-50m"]):
+        write_events(
+            tmp_path / "runs" / name,
+            hyperparameters("Breakout-v5", f"cleanba_variant_{seed}", 1),
+            {TAG: return_curve(10.0 + seed)},
+        )
+    out = tmp_path / "report"
+    check_ok(run_module("cleanba.score_report", [tmp_path / "runs", "--out-dir", out, "--reps", 50, "--curve-reps", 5]))
+    assert png_size(out / "per_game.png") == (300, 240 + 60 + 3 * 18)
+    # The legend band is drawn on: its rows hold non-white pixels (the names), down to the last variant's row.
+    image = imread(out / "per_game.png")[: 60 + 3 * 18, :, :3]
+    inked_rows = np.flatnonzero((image < 0.5).any(axis=(1, 2)))
+    assert inked_rows.max() > 60 + 18, inked_rows.max()
+    inked_columns = np.flatnonzero((image < 0.5).any(axis=(0, 2)))  # a name cut by the edge would reach it
+    assert 0 < inked_columns.min() and inked_columns.max() < 299, (inked_columns.min(), inked_columns.max())
+
+
 def test_env_without_reference_is_refused(tmp_path, capsys):
     write_events(tmp_path / "run", hyperparameters("CartPole-v1", "ppo", 1), {TAG: return_curve(100.0)})
     with pytest.raises(SystemExit) as exit_info:
