@@ -995,7 +995,7 @@ def start(args: Args) -> Run:
     rollouts = (learner_rollout_shapes(args, fields, mesh, len(run.local_learner_devices)),) * num_slots
     compile_start = time.time()
     run.update = compile_learner_update(agent, args, shuffle_key, mesh, run.state, rollouts)
-    run.compile_time = time.time() - compile_start
+    compile_time = time.time() - compile_start
     if args.memory_check:
         check_learner_memory(
             args, agent, shuffle_key, mesh, run.state, rollouts, run.update, run.local_learner_devices, fields
@@ -1004,7 +1004,7 @@ def start(args: Args) -> Run:
     run.logger = None  # only process 0 writes logs, checkpoints and the model
     if args.process_index == 0:
         purge_step = run.completed * args.batch_size + 1 if resume else None  # drop logs after it
-        run.logger = IterationLogger(args, run_name, run.run_dir, purge_step, run.episode_window, run.compile_time)
+        run.logger = IterationLogger(args, run_name, run.run_dir, purge_step, run.episode_window, compile_time)
         pads = sum(
             len(pad_ids)
             for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs), len(run.local_learner_devices))
