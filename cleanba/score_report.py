@@ -70,6 +70,7 @@ PER_GAME_COLUMNS = 8
 LEGEND_BAND = 60
 LEGEND_ROW = 18  # each further row of per_game.png's legend
 LEGEND_ENTRY_WIDTH = 200  # px of figure width per legend column: the longest variant names fit
+LEGEND_MAX_COLUMNS = 6
 INTERVALS_WIDTH, INTERVALS_BASE_HEIGHT, INTERVALS_ROW_HEIGHT = 1400, 130, 45
 
 # rliable 1.2 hands a RandomState to arch, which warns that this is deprecated; nothing to fix on our side.
@@ -556,7 +557,7 @@ def plot_per_game(lines: dict, path: Path, colors: dict, tag: str):
     columns = min(len(lines), PER_GAME_COLUMNS)
     rows = math.ceil(len(lines) / columns)
     width = PANEL_SIZE[0] * columns
-    legend_columns = max(1, min(len(colors), 6, width // LEGEND_ENTRY_WIDTH))
+    legend_columns = max(1, min(len(colors), LEGEND_MAX_COLUMNS, width // LEGEND_ENTRY_WIDTH))
     band = LEGEND_BAND + LEGEND_ROW * (math.ceil(len(colors) / legend_columns) - 1)
     height = PANEL_SIZE[1] * rows + band
     figure, axes = new_figure(width, height, rows, columns)

@@ -253,8 +253,9 @@ def test_reference_scores_file(tmp_path):
 
 
 def test_per_game_legend_of_long_variant_names_fits(tmp_path):
-    """One game, four variants named by three keys: the legend takes one column per 200 px of width and a row
-    per variant beyond the first, so no name runs off the 300 px figure."""
+    """One game, four variants with long names (as several --variant-key values make them): a 300 px figure has
+    room for one 200 px legend column, so the band grows a row per variant beyond the first and no name runs off
+    the figure."""
     for seed, name in enumerate(["breakout-impala-cpu", "breakout-ppo-cpu", "breakout-ppo-cpu-1024", "breakout-50m"]):
         write_events(
             tmp_path / "runs" / name,
