@@ -9,6 +9,13 @@
 #   benchmark-cleanba_ppo-Breakout-v5.json and benchmark-cleanba_impala-Breakout-v5.json here.
 #     python3 -m poetry run bash benchmark.sh throughput --repeats 5 -- --actor-device-ids 0 --learner-device-ids 0
 #
+# bash benchmark.sh machine OUTDIR [SCRIPT FLAGS]
+#   One report of this machine, for docs/gpu.md (made to run once on a lent GPU, in a few minutes): `throughput`
+#   for both scripts, then the actor with more threads over the same envs (THREADS, default "4 8"; local envs =
+#   NUM_ENVS / threads, NUM_ENVS default 128): ceiling, actor and training (IMPALA concurrent, its default; PPO
+#   its actor only). One JSON per run and the console log in OUTDIR. BENCH_FLAGS sets the benchmark's flags.
+#     bash benchmark.sh machine report                        # a GPU machine, default sizes
+#
 # bash benchmark.sh [LAUNCHER FLAGS]
 #   The Cleanba paper's Atari-57 experiments (arXiv 2310.00036, section 5): PPO and IMPALA, 3 seeds, on
 #   - 1 GPU + 10 CPU cores, actor and learner sharing the GPU (a0-l0-d1), and
@@ -30,6 +37,32 @@ if [[ "${1:-}" == throughput ]]; then
   done
   for algo in ppo impala; do
     python -m cleanba.benchmark --script "$algo" "${bench_flags[@]}" -- --env-id Breakout-v5 "${script_flags[@]}"
+  done
+  exit 0
+fi
+
+if [[ "${1:-}" == machine ]]; then
+  out=${2:?bash benchmark.sh machine OUTDIR [SCRIPT FLAGS]}
+  shift 2
+  mkdir -p "$out"
+  read -ra bench <<<"${BENCH_FLAGS:---warmup-iterations 2 --iterations 4 --repeats 2}"
+  num_envs=${NUM_ENVS:-128}
+  {
+    date -u
+    nproc
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    python -c 'import sys, jax, jaxlib, envpool; print(sys.version.split()[0], "jax", jax.__version__, "jaxlib",
+      jaxlib.__version__, "envpool", envpool.__version__, jax.devices())'
+  } | tee "$out/machine.txt"
+  for algo in impala ppo; do
+    python -m cleanba.benchmark --script "$algo" "${bench[@]}" --json "$out/$algo.json" -- --env-id Breakout-v5 "$@"
+  done
+  for threads in ${THREADS:-4 8}; do
+    sweep=(--env-id Breakout-v5 "$@" --num-actor-threads "$threads" --local-num-envs $((num_envs / threads)))
+    python -m cleanba.benchmark --script impala "${bench[@]}" --phases ceiling actor concurrent \
+      --json "$out/impala-t$threads.json" -- "${sweep[@]}"
+    python -m cleanba.benchmark --script ppo "${bench[@]}" --phases actor --json "$out/ppo-t$threads.json" \
+      -- "${sweep[@]}"
   done
   exit 0
 fi

@@ -927,6 +927,7 @@ def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
 
     update_time = measured_median("learner_update_time")
     rollout_time = measured_median("actor_rollout_time")
+    parts = [name for name in stats if name.startswith("actor_") and name.endswith("_time") and name != "actor_rollout_time"]
     return dict(
         sps=median(windows),
         window_sps=windows,
@@ -939,6 +940,8 @@ def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
         actor_wait_s=measured_median("param_queue_wait", "actor_rollout_queue_wait"),
         actor_param_wait_s=measured_median("param_queue_wait"),
         actor_rollout_queue_wait_s=measured_median("actor_rollout_queue_wait"),
+        # where the actors' rollout time goes while the learner runs beside them (on a shared GPU, say)
+        actor_timings_s={name[len("actor_") : -len("_time")]: measured_median(name) for name in parts},
     )
 
 
@@ -1016,13 +1019,15 @@ def table(phases: dict, ratios: dict) -> str:
         "ours_over_reference": "ours / reference",
     }
     lines += [f"{label}: {ratios[key]:.2f}" for key, label in labels.items() if key in ratios]
-    if "actor" in phases:  # the script's own stats/actor_*_time, median seconds per rollout of one actor thread
-        timings = phases["actor"]["actor_timings_s"]
-        lines.append(
-            "actor time per rollout (s): "
-            + ", ".join(f"{name} {value:.3f}" for name, value in timings.items())
-            + f" (rollout {phases['actor']['rollout_time_s']:.3f})"
-        )
+    for name in ["actor", "sync", "concurrent"]:  # the script's stats/actor_*_time: median s per rollout of a thread
+        if name in phases and phases[name].get("actor_timings_s"):
+            figures = phases[name]
+            rollout = figures.get("rollout_time_s", figures.get("actor_rollout_time_s"))
+            lines.append(
+                f"actor time per rollout, {name} (s): "
+                + ", ".join(f"{part} {value:.3f}" for part, value in figures["actor_timings_s"].items())
+                + f" (rollout {rollout:.3f})"
+            )
     if "learner" in phases:
         memory = phases["learner"]["learner_memory"]
         lines.append(
