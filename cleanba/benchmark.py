@@ -927,7 +927,7 @@ def training_figures(run_dir: Path, sizes: dict, bench: BenchmarkArgs) -> dict:
 
     update_time = measured_median("learner_update_time")
     rollout_time = measured_median("actor_rollout_time")
-    parts = [name for name in stats if name.startswith("actor_") and name.endswith("_time") and name != "actor_rollout_time"]
+    parts = [n for n in stats if n.startswith("actor_") and n.endswith("_time") and n != "actor_rollout_time"]
     return dict(
         sps=median(windows),
         window_sps=windows,
