@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from cleanba import benchmark  # noqa: E402
+from cleanba import benchmark
 
 own, flags = benchmark.split_argv(sys.argv[1:])
 script = own[own.index("--script") + 1] if "--script" in own else "impala"
