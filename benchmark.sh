@@ -7,7 +7,7 @@
 #   concurrency off and on. SCRIPT FLAGS go to both training scripts (e.g. the layout: --actor-device-ids 0
 #   --learner-device-ids 1 2 3); flags before a `--` go to the benchmark (e.g. --repeats 5). Writes
 #   benchmark-cleanba_ppo-Breakout-v5.json and benchmark-cleanba_impala-Breakout-v5.json here.
-#     python3 -m poetry run bash benchmark.sh throughput --repeats 5 -- --actor-device-ids 0 --learner-device-ids 0
+#     poetry run bash benchmark.sh throughput --repeats 5 -- --actor-device-ids 0 --learner-device-ids 0
 #
 # bash benchmark.sh machine OUTDIR [SCRIPT FLAGS]
 #   One report of this machine, for docs/gpu.md (made to run once on a lent GPU, in a few minutes): `throughput`
@@ -21,7 +21,7 @@
 #   - 1 GPU + 10 CPU cores, actor and learner sharing the GPU (a0-l0-d1), and
 #   - 8 GPUs as 2 processes of 4 GPUs, actor on the first, learner on the other three (a0-l1,2,3-d2),
 #   submitted as SLURM job arrays (one task per game and seed) through `python -m cleanba.launch_slurm`, from a
-#   login node:   python3 -m poetry run bash benchmark.sh --partition gpu --account my-account
+#   login node:   poetry run bash benchmark.sh --partition gpu --account my-account
 #   The arguments go to every launcher call; --dry-run prints the scripts instead of submitting them.
 set -euo pipefail
 cd "$(dirname "$0")"

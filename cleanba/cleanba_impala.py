@@ -1013,7 +1013,8 @@ def start(args: Args) -> Run:
         print(
             f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
             f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
-            f"{len(learner_devices)} device(s){padding}, logs in {run.run_dir}",
+            f"{len(learner_devices)} device(s){padding}, logs in {run.run_dir}; jax {jax.__version__} (jaxlib "
+            f"{version('jaxlib')}), XLA_FLAGS: {os.environ.get('XLA_FLAGS') or 'none'}",
             flush=True,
         )
         if args.exact:  # groups are cut from each actor thread's envs, so they only tile the same way in whole blocks
