@@ -1084,19 +1084,27 @@ def put_params(run: Run):
 def train(run: Run):
     """The learner's loop, from run.start_iteration to the end or a stop; the model saved at the end."""
     args, stop = run.args, run.stop
-    for thread in run.threads:
-        thread.start()
-    # The one-step lag (paper, section 4), stated here only: rollout i is collected with the params of update
-    # i - 1 - lag, so with concurrency the first two rollouts share the starting params and the actor collects d_2
-    # with pi_1 while the learner makes pi_2 from d_1. Each actor takes params before every rollout.
-    lag = int(args.concurrency)
-    for _ in range(1 + lag):
-        put_params(run)
+    if run.start_iteration > args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
+        print(
+            f"rank {args.process_index}: nothing to train, the checkpoint is of the last iteration "
+            f"({args.num_iterations})",
+            flush=True,
+        )
+    # Before the first puts: each waits for an actor to take the previous one, so a stuck actor would stop them.
     last_progress = [time.time()]
     if args.stall_timeout:
         threading.Thread(
             target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True, name="watchdog"
         ).start()
+    for thread in run.threads:
+        thread.start()
+    # The one-step lag (paper, section 4), stated here only: rollout i is collected with the params of update
+    # i - 1 - lag, so with concurrency the first two rollouts share the starting params and the actor collects d_2
+    # with pi_1 while the learner makes pi_2 from d_1. Each actor takes params before every rollout, and only the
+    # params of a rollout it plays are queued: one more would wait forever for a full queue to empty.
+    lag = int(args.concurrency)
+    for _ in range(run.start_iteration, min(run.start_iteration + lag, args.num_iterations) + 1):
+        put_params(run)  # the starting params of rollouts start_iteration .. start_iteration + lag
     taken = [None] * len(run.rollout_queues)  # when the learner took each actor's last rollout
     for iteration in range(run.start_iteration, args.num_iterations + 1):
         start_time = time.time()

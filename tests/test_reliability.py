@@ -250,3 +250,25 @@ def test_logger_starts_from_the_saved_window(tmp_path):
     logger.close()
     assert window["returns"].tolist() == [*range(2, 20), 100.0, 101.0]
     assert window["lengths"].tolist() == [*range(20, 200, 10), 1000.0, 1010.0]
+
+
+# Both lag settings, each resumed one of the two ways (the way does not change what follows the resume).
+@pytest.mark.parametrize(
+    ("concurrency", "how", "env"),
+    [("--concurrency", ["--resume"], None), ("--no-concurrency", [], {"SLURM_RESTART_COUNT": "1"})],
+    ids=["concurrency, --resume", "no concurrency, SLURM requeue"],
+)
+def test_resuming_a_finished_run_ends_at_once(script, concurrency, how, env, tmp_path):
+    """A checkpoint of the last iteration (saved on schedule, or by a stop during that iteration), resumed by --resume
+    or by a requeued SLURM job: nothing is left to train, so the run ends at once with exit 0 and the straight run's
+    final params. The learner once queued params for rollouts that no actor would play, and waited forever (issue
+    40); the timeout fails the test on such a hang."""
+    iterations = 3
+    args = [*long_args(script, iterations), concurrency, "--checkpoint-frequency", iterations, "--run-name", "done"]
+    straight = run_script(script, args, tmp_path, timeout=120)
+    check_ok(straight)
+    final = re.search(r"final params sha256 \w+", straight.stdout).group(0)
+    resumed = run_script(script, [*args, *how], tmp_path, timeout=120, env=env)
+    check_ok(resumed)
+    assert f"resumed runs/done/checkpoint.msgpack at iteration {iterations} " in resumed.stdout, resumed.stdout
+    assert "nothing to train" in resumed.stdout and final in resumed.stdout, resumed.stdout
