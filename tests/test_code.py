@@ -8,15 +8,24 @@ import sys
 from conftest import ROOT
 
 
-def test_ruff_lint_passes():
-    result = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+def ruff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, "--no-cache", str(ROOT)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_ruff_lint_passes():
+    result = ruff("check")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_passes():
+    result = ruff("format", "--check")
+    assert result.returncode == 0, f"run `ruff format .`:\n{result.stdout}{result.stderr}"
 
 
 def cleanba_imports(path) -> set:
