@@ -536,7 +536,12 @@ def make_policy(args: Args, agent, action_key):
         logits = jax.lax.map(chunk_logits, padded.reshape(-1, chunk, *obs.shape[1:]))
         return logits.reshape(-1, logits.shape[-1])[: obs.shape[0]]
 
-    @jax.jit
+    # On a GPU, XLA launches each cuDNN convolution on its own unless told to record it into the step's CUDA graph:
+    # the 15 convolutions and the kernels between them cost ~0.85 ms of host time per step on an H200 (docs/gpu.md),
+    # time the envs' threads need. As one graph the step is one launch. Other backends ignore the option.
+    one_graph = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONVOLUTION"}
+
+    @partial(jax.jit, compiler_options=one_graph)
     def policy(params, obs, env_ids, step):
         logits = chunked_logits(params, obs) if chunk else agent.apply(params, obs)[0]
         # One key per (global env index, step): env n samples the same actions on every device layout.
