@@ -314,7 +314,6 @@ ALGORITHM_NAMES = (
     "make_network",
     "learn",
     "make_optimizer",
-    "update_minibatch",
 )
 TOOL_NAMES = (
     "Args",

@@ -348,7 +348,6 @@ ALGORITHM_NAMES = (
     "make_network",
     "learn",
     "make_optimizer",
-    "update_minibatch",
 )
 TOOL_NAMES = (
     "Args",

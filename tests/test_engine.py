@@ -4,7 +4,9 @@ names the tools use of a script imported as a module, are listed in the scripts 
 
 import difflib
 import importlib
+import io
 import re
+import tokenize
 
 import pytest
 from conftest import ROOT, SCRIPTS
@@ -31,17 +33,27 @@ def test_the_shared_parts_are_byte_identical_in_both_scripts(part):
     assert ppo == impala, f"the scripts differ outside the algorithm; copy the changed block to the other:\n{diff}"
 
 
+def names_in(code: str) -> set:
+    """The identifiers in Python code: a word in a string or a comment is not a use of a name."""
+    tokens = tokenize.generate_tokens(io.StringIO(code).readline)
+    return {token.string for token in tokens if token.type == tokenize.NAME}
+
+
 @pytest.mark.parametrize("script", ["ppo", "impala"])
 def test_the_engine_reaches_the_algorithm_only_through_its_listed_names(script):
+    """ALGORITHM_NAMES is exactly what the engine's code uses of the algorithm: each listed name is defined above
+    the line and used below it, and nothing else defined above is used below."""
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     _, top, engine = parts(script)
     for name in module.ALGORITHM_NAMES:
         assert re.search(rf"^(def |class |){name}\b", top, re.M), f"{name} is not defined above the ENGINE line"
     defined_above = set(re.findall(r"^(?:def|class) (\w+)|^([A-Z_]+) =", top, re.M))
     defined_above = {a or b for a, b in defined_above}
-    engine_words = set(re.findall(r"\b\w+\b", engine))
-    used = sorted(name for name in defined_above & engine_words if name not in module.ALGORITHM_NAMES)
+    engine_names = names_in(engine)
+    used = sorted(name for name in defined_above & engine_names if name not in module.ALGORITHM_NAMES)
     assert not used, f"the engine uses {used} of the algorithm without listing them in ALGORITHM_NAMES"
+    unused = sorted(set(module.ALGORITHM_NAMES) - engine_names)
+    assert not unused, f"ALGORITHM_NAMES lists {unused}, which the engine's code does not use"
 
 
 def test_the_names_tools_use_are_listed_and_exist():
