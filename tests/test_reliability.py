@@ -34,6 +34,38 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+# Runs a training script on envs whose observations never change (one fixed vector per env id, from the real env's
+# space) and whose reward is 1 when the action equals env id mod 2, and whose episodes never end: nothing an env
+# shows depends on its past, so a run resumed from a checkpoint sees what the straight run saw at the same
+# iterations, although EnvPool's envs restart from a reset.
+MEMORYLESS_ENVPOOL = """
+import runpy, sys, envpool
+import numpy as np
+class MemorylessEnv:
+    def __init__(self, task_id, num_envs, seed, **kwargs):
+        space = envpool.make_spec(task_id, **kwargs).observation_space
+        rng = np.random.default_rng(seed)
+        self.obs = rng.uniform(-1, 1, (num_envs, *space.shape)).astype(space.dtype)
+        self.env_ids = np.arange(num_envs, dtype=np.int32)
+        self.actions = None
+    def async_reset(self):
+        self.actions = None
+    def send(self, actions, env_ids):
+        self.actions = np.asarray(actions)
+    def recv(self):
+        n = len(self.env_ids)
+        rewards = np.zeros(n, np.float32) if self.actions is None else (self.actions == self.env_ids % 2)
+        done = np.zeros(n, bool)
+        return self.obs.copy(), rewards.astype(np.float32), done, done, {"env_id": self.env_ids}
+    def close(self):
+        pass
+envpool.make = lambda task_id, env_type, num_envs, batch_size, seed, **kwargs: MemorylessEnv(
+    task_id, num_envs, seed, **kwargs
+)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
 
 def long_args(script, iterations=100_000):
     steps = 16 if script == "ppo" else 8
@@ -272,3 +304,30 @@ def test_resuming_a_finished_run_ends_at_once(script, concurrency, how, env, tmp
     check_ok(resumed)
     assert f"resumed runs/done/checkpoint.msgpack at iteration {iterations} " in resumed.stdout, resumed.stdout
     assert "nothing to train" in resumed.stdout and final in resumed.stdout, resumed.stdout
+
+
+def test_resume_continues_the_straight_run_bit_for_bit(script, tmp_path):
+    """A run resumed from the checkpoint of iteration k ends with the straight run's final params, bit for bit: the
+    checkpoint restores the straight run's params, optimizer state and step (which also keys the minibatch
+    shuffles), and the actors continue the action keys' step count. The envs hide nothing of their past
+    (MEMORYLESS_ENVPOOL), so the resumed rollouts are the straight run's. Without concurrency: with it, the first
+    rollout after a resume is played with the checkpoint's params, one version newer than in the straight run."""
+    iterations, k = 6, 4
+    args = [*long_args(script, iterations), "--no-concurrency", "--checkpoint-frequency", k, "--run-name", "r"]
+    command = [sys.executable, "-c", MEMORYLESS_ENVPOOL, str(SCRIPTS[script])]
+    runs = []
+    for extra in [[], ["--resume"]]:  # the straight run saves iteration k (its only multiple of k), then the resume
+        process = subprocess.run(
+            [*command, *map(str, [*args, *extra])],
+            cwd=tmp_path,
+            env=script_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        check_ok(process)
+        runs.append(process.stdout)
+    straight, resumed = runs
+    assert f"resumed runs/r/checkpoint.msgpack at iteration {k} " in resumed, resumed
+    final = re.findall(r"final params sha256 (\w+)", straight)
+    assert len(final) == 1 and re.findall(r"final params sha256 (\w+)", resumed) == final, (straight, resumed)
