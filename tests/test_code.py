@@ -2,6 +2,7 @@
 another that imports it back, directly or through others (imports inside functions count too)."""
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,22 @@ def test_ruff_lint_passes():
 def test_ruff_format_passes():
     result = ruff("format", "--check")
     assert result.returncode == 0, f"run `ruff format .`:\n{result.stdout}{result.stderr}"
+
+
+def test_every_test_reads_ci_one_way():
+    """CI=true (set by .ci/run, documented in docs/tests.md) turns the skips of missing tools into failures: every
+    test reads it the same way, so that one value of CI does not fail some of them and skip others."""
+    readings = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        readings |= {
+            (path.name, match) for match in re.findall(r"""environ(?:\.get\(|\[)["']CI["'].{0,12}""", path.read_text())
+        }
+    odd = sorted(
+        (name, match)
+        for name, match in readings
+        if not re.fullmatch(r"""environ\.get\(["']CI["']\) == "true".*""", match)
+    )
+    assert not odd, f'read CI as os.environ.get("CI") == "true": {odd}'
 
 
 def cleanba_imports(path) -> set:

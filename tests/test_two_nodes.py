@@ -56,7 +56,7 @@ def nodes(tmp_path_factory):
         cluster.start().start_slurm()
     except RuntimeError as error:
         cluster.stop()
-        if os.environ.get("CI"):
+        if os.environ.get("CI") == "true":
             pytest.fail(f"the two-node cluster must run in CI: {error}")
         pytest.skip(f"no two-node cluster here: {error}")
     yield cluster
