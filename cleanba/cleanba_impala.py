@@ -520,9 +520,9 @@ def queue_put(q: queue.Queue, item, stop: Stop):
 
 
 def make_policy(args: Args, agent, action_key):
-    """The actor's jitted policy step: (params, obs, global env ids, step) -> (actions, logprobs). With --exact the
-    network runs on --group-envs envs at a time, each chunk on its own (optimization barriers), so that an env's
-    logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
+    """The actor's jitted policy step: (params, obs, global env ids, step) -> the columns [actions, logprobs]. With
+    --exact the network runs on --group-envs envs at a time, each chunk on its own (optimization barriers), so that an
+    env's logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
     chunk = args.group_envs if args.exact else 0
 
     def chunked_logits(params, obs):
@@ -535,12 +535,7 @@ def make_policy(args: Args, agent, action_key):
         logits = jax.lax.map(chunk_logits, padded.reshape(-1, chunk, *obs.shape[1:]))
         return logits.reshape(-1, logits.shape[-1])[: obs.shape[0]]
 
-    # On a GPU, XLA launches each cuDNN convolution on its own unless told to record it into the step's CUDA graph:
-    # the 15 convolutions and the kernels between them cost ~0.85 ms of host time per step on an H200 (docs/gpu.md),
-    # time the envs' threads need. As one graph the step is one launch. Other backends ignore the option.
-    one_graph = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONVOLUTION"}
-
-    @partial(jax.jit, compiler_options=one_graph)
+    @jax.jit
     def policy(params, obs, env_ids, step):
         logits = chunked_logits(params, obs) if chunk else agent.apply(params, obs)[0]
         # One key per (global env index, step): env n samples the same actions on every device layout.
@@ -548,7 +543,8 @@ def make_policy(args: Args, agent, action_key):
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
         actions = jnp.argmax(logits + gumbel, axis=1)
         logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=1)[:, 0]
-        return actions, logprobs
+        # One array, so one device-to-host copy per step instead of two (an action index is exact in float32).
+        return jnp.stack([actions.astype(jnp.float32), logprobs], axis=1)
 
     return policy
 
@@ -668,9 +664,10 @@ def rollout_actor(
                 clock.lap("storage")
                 # The step keys the action sampling: a resumed run continues it (envs restart from a reset, as
                 # EnvPool's state cannot be saved).
-                actions, logprobs = policy(params, next_obs, env_ids_on_device, (iteration - 1) * T + t)
+                sampled = policy(params, next_obs, env_ids_on_device, (iteration - 1) * T + t)
                 clock.lap("inference")  # dispatch only: device_to_host waits for the result (no extra sync)
-                actions, logprobs = jax.device_get((actions, logprobs))
+                sampled = np.asarray(sampled)
+                actions, logprobs = sampled[:, 0].astype(np.int32), sampled[:, 1]
                 clock.lap("device_to_host")
                 envs.send(actions, info["env_id"])
                 clock.lap("env_send")

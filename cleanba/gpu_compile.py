@@ -26,9 +26,7 @@ the default PPO update (docs/gpu.md). Needs the CUDA plugin and ptxas from PyPI:
 """
 
 import os
-import re
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -71,15 +69,6 @@ def shape_on(sharding, x):
     import jax
 
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def launches(thunk_sequence: str) -> tuple:
-    """(launches, operations, operations in CUDA graphs) of one execution of a GPU program, from XLA's dump of its
-    thunk sequence: a top-level line is one launch (a kernel, a library call, or a command buffer replayed as one
-    CUDA graph); the indented lines under a command buffer are the operations recorded in it."""
-    top = re.findall(r"^\d+: (\w+)", thunk_sequence, re.M)
-    recorded = len(re.findall(r"^\s+\d+: ", thunk_sequence, re.M))
-    return len(top), len(top) - top.count("kCommandBuffer") + recorded, recorded
 
 
 def ptxas_dir() -> str:
@@ -158,10 +147,7 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
         env_ids = jax.ShapeDtypeStruct((args.local_num_envs,), np.int32, sharding=place)
         step = jax.ShapeDtypeStruct((), np.int32, sharding=place)
         start = time.time()
-        with tempfile.TemporaryDirectory() as dump:  # XLA writes the program's launch sequence only to a dump
-            compiled_policy = policy.lower(params, obs, env_ids, step).compile(compiler_options={"xla_dump_to": dump})
-            policy_launches = launches(next(Path(dump).glob("*thunk_sequence_after_thunk_passes.txt")).read_text())
-        analysis = compiled_policy.memory_analysis()
+        analysis = policy.lower(params, obs, env_ids, step).compile().memory_analysis()
         actor_seconds += time.time() - start
         # Each actor thread of the device holds its own params copy and runs its own steps.
         actors[i] = {
@@ -179,7 +165,6 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
         actors=actors,
         learner_compile_s=learner_seconds,
         actor_compile_s=actor_seconds,
-        policy_launches=policy_launches,
         cudnn_convolutions=text.count("__cudnn$conv"),
         all_reduces=text.count("all-reduce"),
         update_flops=update_flops(module, args, agent, shuffle_key, state, rollouts, len(learner_devices)),
@@ -247,11 +232,6 @@ def report(compile_args: CompileArgs, args, figures: dict, memory_bytes: int, pe
             f"{i:>4}  {roles:<14}{learner / gib:>12.2f}{actor / gib:>10.3f}{(learner + actor) / gib:>10.2f}"
             f"{budget / gib:>11.1f}  {'yes' if ok else 'NO'}"
         )
-    launched, operations, recorded = figures["policy_launches"]
-    print(
-        f"policy step: {launched} GPU launch{'es' if launched > 1 else ''} per env step "
-        f"({operations} kernels and library calls, {recorded} of them recorded in CUDA graphs)"
-    )
     learner = figures["learner"]
     print("learner per device: " + ", ".join(f"{k.replace('_', ' ')} {v / gib:.2f} GiB" for k, v in learner.items()))
     devices = len(args.learner_device_ids) * compile_args.processes

@@ -85,11 +85,6 @@ def test_default_sizes_compile_for_a100_on_every_headline_layout(script):
             assert all(rows[i][0] == "learner" and rows[i][2] for i in (1, 2, 3)), rows
             assert re.search(r"[1-9]\d* all-reduces", process.stdout), process.stdout
         assert re.search(r"compute bound .*: [\d,]+ env steps/s", process.stdout), process.stdout
-        # The actor's step is one CUDA graph, convolutions included: one launch of host time per env step.
-        launches = re.search(
-            r"policy step: (\d+) GPU launch.* \((\d+) kernels .*, (\d+) of them recorded", process.stdout
-        )
-        assert launches and launches[1] == "1" and int(launches[2]) > 15 and launches[2] == launches[3], process.stdout
 
 
 def test_h100_memory_levers():
