@@ -1,6 +1,6 @@
 """The docs cannot drift: every command shown in README.md and docs/*.md that runs a training script or a
 `python -m cleanba.X` module names only flags it has, every such module exists and answers --help, and every
-relative link or image resolves."""
+relative link or image resolves, to a heading where it names one (#anchor)."""
 
 import functools
 import re
@@ -91,11 +91,26 @@ def test_the_pages_show_the_commands_users_type():
     assert any(target == "cleanba.launch_slurm" and "--ntasks-per-node" in flags for target, flags in shown)
 
 
+def anchors(page) -> set:
+    """The anchors GitHub gives a markdown page's headings: lower case, punctuation dropped, spaces as hyphens, and
+    -1, -2, ... after a repeated one."""
+    seen, found = {}, set()
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
 def test_relative_links_and_images_resolve(page):
+    """Every relative link reaches a file, and its #anchor, if any, a heading of that file."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        path = target.split("#")[0]
-        assert (page.parent / path).exists(), f"{page.name}: {target} does not resolve"
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path) if path else page
+        assert linked.exists(), f"{page.name}: {target} does not resolve"
+        if anchor and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{page.name}: {target}: no heading of {linked.name} has that anchor"
