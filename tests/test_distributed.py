@@ -76,10 +76,13 @@ def test_all_local_devices_visible_under_srun(tmp_path):
     layout = ["--actor-device-ids", "0", "--learner-device-ids", "1", "2", "3", "--num-actor-threads", "1"]
     total = 2 * 2 * 6 * 8  # iterations x processes x envs x steps; 6 envs over 3 learner devices
     args = [*TINY["impala"], *layout, "--local-num-envs", 6, "--total-timesteps", total]
-    outputs = finish(start_pair("impala", tmp_path, args, explicit=False, devices=4))
-    for rank, output in enumerate(outputs):
+    processes = start_pair("impala", tmp_path, args, explicit=False, devices=4)
+    outputs, digests = finish(processes), []
+    for rank, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, output
         assert f"rank {rank} of 2: GPUs visible to JAX (jax_cuda_visible_devices) 0,1,2,3" in output, output
-        assert re.search(rf"rank {rank}: final params sha256", output), output
+        digests.append(re.search(rf"rank {rank}: final params sha256 (\w+)", output)[1])
+    assert digests[0] == digests[1], "the two ranks ended with different params"
 
 
 def test_killed_rank_stops_the_other(tmp_path):
