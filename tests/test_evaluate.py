@@ -107,6 +107,61 @@ def test_cli_plays_a_checkpoint_as_the_model_of_its_iteration(tmp_path):
     assert refused.returncode != 0 and "--upload-model uploads a .cleanba_model" in refused.stderr
 
 
+def constant_action_games(action: int, episodes: int, num_envs: int, seed: int) -> list:
+    """A plain EnvPool loop playing CartPole with one action always: each game's length, in the order games end,
+    each env playing its share of the episodes (the step after a game over is EnvPool's reset: not counted)."""
+    import envpool
+    import numpy as np
+
+    envs = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed)
+    envs.reset()
+    quotas = [episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)]
+    played, steps, resetting, games = [0] * num_envs, [0] * num_envs, [False] * num_envs, []
+    while played != quotas:
+        _, _, terminated, truncated, _ = envs.step(np.full(num_envs, action))
+        for i in range(num_envs):
+            steps[i] += not resetting[i]
+            resetting[i] = bool(terminated[i] or truncated[i])
+            if resetting[i]:
+                if played[i] < quotas[i]:
+                    games.append(steps[i])
+                    played[i] += 1
+                steps[i] = 0
+    envs.close()
+    return games
+
+
+def test_cli_plays_the_params_of_the_model(tmp_path):
+    """Two models whose policy heads always pick action 0, and always action 1 (zero weights, a bias of +-10):
+    the CLI's greedy games are, length for length, those of a plain loop playing that action, so the evaluation
+    plays the params it loads (the two loops' games differ, so ignoring the params cannot match both)."""
+    import jax
+    import numpy as np
+
+    from cleanba.checkpoint import load_model, save_model
+
+    _, model = train_and_save("ppo", tmp_path, ["--eval-episodes", 0])
+    args, params, script = load_model(model)
+    games = {}
+    for action in (0, 1):
+        forced = jax.tree.map(np.array, params)  # a copy
+        (head,) = [layer for layer in forced["params"].values() if np.shape(layer.get("bias")) == (2,)]
+        head["kernel"] = np.zeros_like(head["kernel"])
+        head["bias"] = np.array([10.0, -10.0] if action == 0 else [-10.0, 10.0], np.float32)
+        path = tmp_path / f"action{action}.cleanba_model"
+        save_model(path, script, args, forced)
+        command = [*EVALUATE, path, "--episodes", 6, "--num-envs", 2, "--seed", 7, "--greedy"]
+        process = subprocess.run(
+            list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+        )
+        check_ok(process)
+        games[action] = [
+            int(line.rsplit(" ", 1)[1]) for line in process.stdout.splitlines() if line.startswith("episode ")
+        ]
+        assert games[action] == constant_action_games(action, 6, 2, seed=7), process.stdout
+    assert games[0] != games[1], games
+
+
 def test_cli_on_atari_scores_whole_games(tmp_path):
     """Machado protocol: no life-loss signal, so an episode is a whole game of Breakout (5 lives)."""
     process = run_script(
