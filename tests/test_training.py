@@ -155,54 +155,30 @@ def test_save_model_round_trip(script, tmp_path):
     assert f"rank 0: final params sha256 {digest(params)}\n" in process.stdout, process.stdout
 
 
+# The README's CartPole demo commands (with more frequent logging): the 20-game mean return must reach `target`
+# within `within` env steps and end at `floor` or above (no collapse after the peak), on two seeds.
 LEARNING = {
     "ppo": (
-        [
-            "--local-num-envs",
-            "8",
-            "--num-steps",
-            "128",
-            "--total-timesteps",
-            "100000",
-            "--learning-rate",
-            "2.5e-3",
-            "--num-actor-threads",
-            "1",
-            "--hidden-dim",
-            "64",
-            "--log-frequency",
-            "5",
-        ],
-        400,
+        ["--local-num-envs", "8", "--num-steps", "128", "--total-timesteps", "100000", "--learning-rate", "2.5e-3"],
+        dict(target=500, within=75_000, floor=475),
     ),
     "impala": (
-        [
-            "--local-num-envs",
-            "16",
-            "--num-minibatches",
-            "2",
-            "--num-actor-threads",
-            "1",
-            "--total-timesteps",
-            "300000",
-            "--learning-rate",
-            "2e-3",
-            "--hidden-dim",
-            "64",
-            "--log-frequency",
-            "25",
-        ],
-        300,
+        ["--local-num-envs", "16", "--num-minibatches", "2", "--total-timesteps", "120000", "--learning-rate", "2e-3"],
+        dict(target=400, within=70_000, floor=250),
     ),
 }
 
 
-def test_learns_cartpole(script, tmp_path):
-    flags, target = LEARNING[script]
-    process = run_script(script, ["--env-id", "CartPole-v1", *flags], tmp_path, timeout=120)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_learns_cartpole(script, seed, tmp_path):
+    flags, bounds = LEARNING[script]
+    common = ["--num-actor-threads", "1", "--hidden-dim", "64", "--log-frequency", "5", "--seed", str(seed)]
+    process = run_script(script, ["--env-id", "CartPole-v1", *flags, *common], tmp_path, timeout=300)
     check_ok(process)
-    returns = [value for _, value in scalars(run_dir(tmp_path))["charts/episodic_return"]]
-    assert max(returns) >= target, returns
+    curve = scalars(run_dir(tmp_path))["charts/episodic_return"]
+    reached = [step for step, value in curve if value >= bounds["target"]]
+    assert reached and reached[0] <= bounds["within"], curve
+    assert curve[-1][1] >= bounds["floor"], curve
 
 
 def test_track_syncs_to_wandb_offline(tmp_path):
