@@ -2,15 +2,14 @@
 
 One file, read top to bottom, in two halves. Above the ENGINE line, the algorithm: its flags and checks, the network,
 GAE, the PPO loss, the minibatch schedule, the optimizer. Below it, the engine: envs, queues, actor threads, learner
-sharding, the group sums behind --exact and gradient accumulation, the update wrapper and main. The engine is the
-same, byte for byte, in cleanba_impala.py (tests/test_engine.py): `diff` of the two scripts shows only the algorithm,
-and a fork edits the top. Design and protocol: Huang et al., "Cleanba: A Reproducible and Efficient Distributed
-Reinforcement Learning Platform" (arXiv 2310.00036). Usage: README.md and docs/.
+sharding, the update wrapper and main; the group sums behind --exact and gradient accumulation are in
+cleanba/reductions.py. The engine is the same, byte for byte, in cleanba_impala.py (tests/test_engine.py): `diff` of the
+two scripts shows only the algorithm, and a fork edits the top. Design and protocol: Huang et al., "Cleanba: A
+Reproducible and Efficient Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage: README.md and docs/.
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
 
-import math
 import os
 import queue
 import signal
@@ -72,6 +71,7 @@ from cleanba.plumbing import (
     resumable_flags,
     watch_progress,
 )
+from cleanba.reductions import Groups, chunked_apply, env_blocks, make_groups, split_envs
 
 
 @dataclass
@@ -559,19 +559,11 @@ def make_policy(args: Args, agent, action_key):
     env's logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
     chunk = args.group_envs if args.exact else 0
 
-    def chunked_logits(params, obs):
-        pad = -obs.shape[0] % chunk
-        padded = jnp.concatenate([obs, jnp.zeros((pad, *obs.shape[1:]), obs.dtype)]) if pad else obs
-
-        def chunk_logits(o):
-            return jax.lax.optimization_barrier(agent.apply(params, jax.lax.optimization_barrier(o))[0])
-
-        logits = jax.lax.map(chunk_logits, padded.reshape(-1, chunk, *obs.shape[1:]))
-        return logits.reshape(-1, logits.shape[-1])[: obs.shape[0]]
-
     @jax.jit
     def policy(params, obs, env_ids, step):
-        logits = chunked_logits(params, obs) if chunk else agent.apply(params, obs)[0]
+        logits = (
+            chunked_apply(lambda o: agent.apply(params, o)[0], obs, chunk) if chunk else agent.apply(params, obs)[0]
+        )
         # One key per (global env index, step): env n samples the same actions on every device layout.
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
@@ -583,33 +575,10 @@ def make_policy(args: Args, agent, action_key):
     return policy
 
 
-def env_blocks(args: Args) -> tuple:
-    """(classes, block): how the learner devices split an actor thread's envs. The envs of a learner device fall in
-    `classes` minibatch classes (env id mod classes, minibatch_classes above), and in groups within a class
-    (make_groups). Devices get whole blocks of `block` consecutive envs: one --exact group of each class, else as
-    many envs of each class as a group has micro-batches where those cut envs (MICRO_BATCH_AXIS 1), else one."""
-    classes = minibatch_classes(args)
-    per_class = args.group_envs if args.exact else args.gradient_accumulation_steps if MICRO_BATCH_AXIS == 1 else 1
-    return classes, classes * per_class
-
-
 def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
-    """How one actor thread's envs go to the local learner devices: for each device, the slice of the envs it
-    gets and the ids of the pad envs that fill it up to the common width.
-
-    The learner needs the same number of envs on every device, in whole blocks (env_blocks). Where the envs do not
-    split so, masked pad envs make up the difference, whatever the number of devices: every step of a pad env is
-    invalid, so it adds nothing to any sum, mean or count. Pad ids are negative, congruent to the minibatch class
-    they fill (id % classes), and cost at most the padding in learner compute."""
-    classes, block = env_blocks(args)
-    blocks = math.ceil(len(env_ids) / block)
-    width = math.ceil(blocks / num_devices) * block  # whole blocks, as many on every device
-    shards = []
-    for start in range(0, width * num_devices, width):
-        counts = np.bincount(env_ids[start : start + width] % classes, minlength=classes)
-        pad_ids = [np.full(width // classes - count, c - classes, np.int32) for c, count in enumerate(counts)]
-        shards.append((slice(start, start + width), np.concatenate(pad_ids)))
-    return shards
+    """For each local learner device, the slice of one actor thread's envs it gets and the ids of the masked pad envs
+    that fill it up to whole blocks of the algorithm's groups (cleanba/reductions.py)."""
+    return split_envs(env_ids, num_devices, *env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS))
 
 
 def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
@@ -738,107 +707,11 @@ def rollout_actor(
         envs.close()
 
 
-class Groups(NamedTuple):
-    """The reduction groups of a learner device's envs (env_blocks): every sum the update takes over samples is a sum
-    over groups, each group computed on its own, then added over the groups of all devices. With --exact they are
-    added in the order of `keys` (each group's smallest global env id), the same on any layout; otherwise by psum.
-    The loop nest of one gradient step: groups (map) -> micro-batches (scan) -> the sum over groups (sum)."""
-
-    columns: jax.Array  # ([classes,] groups, width): the positions of each group's envs on this device
-    keys: jax.Array  # ([classes,] groups): the place of each group in the global order of sums
-    exact: bool
-    micro_batches: int  # per group: --gradient-accumulation-steps
-    micro_batch_axis: int  # the axis of a group's (rows, width) fields that micro-batches cut
-
-    @property
-    def width(self) -> int:
-        return self.columns.shape[-1]
-
-    def of_class(self, k) -> "Groups":
-        """The groups of minibatch class k (env id mod classes)."""
-        return self._replace(columns=self.columns[k], keys=self.keys[k])
-
-    def take(self, data: dict, time_indices=None) -> dict:
-        """Each (rows, n, ...) field of data as (groups, rows, width, ...): every row, or each env's own time steps
-        (time_indices: (rows, n))."""
-        if time_indices is None:
-            return {name: jnp.moveaxis(x[:, self.columns], 1, 0) for name, x in data.items()}
-        rows = jnp.moveaxis(time_indices[:, self.columns], 1, 0)
-        return {name: x[rows, self.columns[:, None, :]] for name, x in data.items()}
-
-    def map(self, fn, *fields):
-        """fn of each group's slice of fields (stacked on axis 0), each on its own: optimization barriers keep XLA
-        from fusing or merging work across groups, so that a group's result does not depend on how many groups a
-        device holds."""
-
-        def fenced(group):
-            return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(group)))
-
-        return jax.lax.map(fenced, fields)
-
-    def sum(self, per_group):
-        """The sum of per-group values (stacked on axis 0) over the groups of every learner device. A psum adds in
-        an order that follows the layout, and float addition rounds by its order. With --exact the groups are
-        gathered on every device and added one at a time in key order: bitwise the same sum on any layout."""
-        if not self.exact:
-            return jax.lax.psum(jax.tree.map(partial(jnp.sum, axis=0), per_group), "learner")
-        per_group, keys = jax.lax.all_gather((per_group, self.keys), "learner", tiled=True)
-        order = jnp.argsort(keys)
-
-        def add(i, total):
-            return jax.tree.map(lambda t, x: t + x[order[i]], total, per_group)
-
-        return jax.lax.fori_loop(0, keys.shape[0], add, jax.tree.map(lambda x: jnp.zeros_like(x[0]), per_group))
-
-    def total(self, fn, *fields):
-        """The sum over all groups of fn of each group's fields."""
-        return self.sum(self.map(fn, *fields))
-
-    def split_micro_batches(self, x):
-        """A group's (rows, width, ...) field as (micro_batches, ...) parts along micro_batch_axis."""
-        if self.micro_batch_axis == 0:
-            return x.reshape(self.micro_batches, -1, *x.shape[1:])
-        return x.reshape(x.shape[0], self.micro_batches, -1, *x.shape[2:]).swapaxes(0, 1)
-
-    def gradients(self, loss_fn, params, batch: dict, count):
-        """The sum over all groups and their micro-batches of (gradients, metrics) of loss_fn(params, micro_batch,
-        count) -> (loss, metrics). batch: (groups, rows, width) per field."""
-        grad_fn = jax.grad(loss_fn, has_aux=True)
-
-        def group_gradients(group):
-            return summed_gradients(grad_fn, params, jax.tree.map(self.split_micro_batches, group), count)
-
-        return self.total(group_gradients, batch)
-
-
-def summed_gradients(grad_fn, params, micro_batches: dict, count):
-    """The sum of grad_fn's (gradients, metrics) over micro-batches stacked on axis 0. A scan, so that one
-    micro-batch's activations are alive at a time: what makes accumulation save memory."""
-    first = jax.tree.map(lambda x: x[0], micro_batches)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first, count))
-
-    def accumulate(sums, micro_batch):
-        return jax.tree.map(jnp.add, sums, grad_fn(params, micro_batch, count)), None
-
-    return jax.lax.scan(accumulate, zeros, micro_batches)[0]
-
-
-def make_groups(args: Args, env_ids) -> Groups:
-    """The groups of a learner device's envs (env_ids: their global ids, pad envs negative), the one place their
-    size is decided: by minibatch class, then --group-envs envs at a time with --exact, else all of the device's envs
-    of that class (env_blocks gives every device whole groups)."""
-    classes = minibatch_classes(args)
-    width = args.group_envs if args.exact else env_ids.shape[0] // classes
-    columns = jnp.argsort(env_ids % classes, stable=True).reshape(classes, -1, width)
-    ids = env_ids[columns]
-    keys = jnp.min(jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max), axis=-1)  # pad groups last
-    return Groups(columns, keys, args.exact, args.gradient_accumulation_steps, MICRO_BATCH_AXIS)
-
-
 def learner_update(agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
     """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
     rollout = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *rollouts)  # every field: envs on axis 1
-    return learn(agent, args, shuffle_key, state, rollout, make_groups(args, rollout.env_ids[0]))
+    groups = make_groups(args, rollout.env_ids[0], minibatch_classes(args), MICRO_BATCH_AXIS)
+    return learn(agent, args, shuffle_key, state, rollout, groups)
 
 
 def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
@@ -1053,7 +926,7 @@ def start(args: Args) -> Run:
             flush=True,
         )
         if args.exact:  # groups are cut from each actor thread's envs, so they only tile the same way in whole blocks
-            block = env_blocks(args)[1]
+            block = env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS)[1]
             splits = (
                 f"and on any split of the envs over actor threads and processes whose --local-num-envs is a "
                 f"multiple of {block}"
