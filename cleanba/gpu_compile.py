@@ -174,8 +174,8 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
 
 
 def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_devices: int) -> float:
-    """Flops of one update on one learner device: XLA's cost analysis of the same update, for one device's share of
-    the rollouts, lowered for the CPU (before optimization; nothing is compiled). The GPU program has no cost
+    """Flops of one update on one learner device: XLA's cost analysis of the same update (the GPU's network), for one
+    device's share of the rollouts, lowered for the CPU (before optimization; nothing is compiled). The GPU program has no cost
     analysis, and after optimization its cuDNN and cuBLAS calls would count no flops."""
     import jax
     import numpy as np
@@ -193,8 +193,9 @@ def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_
 
     cpu_state = jax.tree.map(lambda x: on_cpu(x, P()), state)
     cpu_rollouts = jax.tree.map(lambda x: on_cpu(x, x.sharding.spec), rollouts)
-    cpu_agent = module.make_network(args, agent.num_actions, platform="cpu")
-    update = module.make_learner_update(cpu_agent, args, shuffle_key, cpu_mesh, len(rollouts))
+    # The GPU's network (XLA's convolutions), lowered for the CPU: the CPU's network would have the CPU kernels'
+    # custom calls in their place, which count no flops.
+    update = module.make_learner_update(agent, args, shuffle_key, cpu_mesh, len(rollouts))
     # XLA's cost analysis counts a loop body once, whatever its trip count: the learner's loops (minibatches,
     # groups, micro-batches, value chunks) are unrolled while this one copy is traced.
     scan, loop_map = jax.lax.scan, jax.lax.map

@@ -56,6 +56,33 @@ def gpu_compile(target: str, script: str, flags: list, processes: int = 1) -> tu
     return process, rows
 
 
+def network_flops(channels=(16, 32, 32), hidden=256, side=84, stack=4, actions=4) -> tuple:
+    """(forward flops of one Breakout frame stack through the IMPALA ResNet and its heads, of its first convolution),
+    from the shapes: 2 x outputs x inputs x 9 per 3x3 convolution; each max pool halves the side."""
+    total, first, inputs = 0, 0, stack
+    for c in channels:
+        conv = 2 * side * side * inputs * c * 9
+        first, total = first or conv, total + conv
+        side = (side + 1) // 2
+        total += 4 * 2 * side * side * c * c * 9  # two residual blocks of two convolutions
+        inputs = c
+    return total + 2 * side * side * inputs * hidden + 2 * hidden * (actions + 1), first
+
+
+def update_flops_per_step(script: str) -> float:
+    """One update's flops per env step at the default sizes: a gradient is about 3 forward passes (the first
+    convolution's input gradient is not needed); IMPALA takes one per sample, over T + 1 observations per env; PPO
+    one forward pass for the values, then one per sample per epoch."""
+    from cleanba import cleanba_impala, cleanba_ppo
+
+    forward, first = network_flops()
+    if script == "impala":
+        steps = cleanba_impala.Args.num_steps
+        return (3 * forward - first) * (steps + 1) / steps
+    steps, epochs = cleanba_ppo.Args.num_steps, cleanba_ppo.Args.update_epochs
+    return forward * (steps + 1) / steps + epochs * (3 * forward - first)
+
+
 def actor_gib(stdout: str, gpu: int) -> float:
     return float(re.search(rf"^\s*{gpu}\s+\S+\s+[\d.]+\s+([\d.]+)\s", stdout, re.M).group(1))
 
@@ -80,6 +107,10 @@ def test_default_sizes_compile_for_a100_on_every_headline_layout(script):
         assert re.search(r"[1-9]\d* cuDNN convolution calls", process.stdout), process.stdout
         if name == "a0-l0":
             assert rows == {0: ("actor+learner", rows[0][1], True)}, rows
+            # The flops are the GPU network's: within 15% of a count from the convolutions' and dense layers' shapes
+            # (a count on the CPU's network, whose convolutions are custom calls, gave 8.3 MFLOP for IMPALA).
+            counted = float(re.search(r"([\d.]+) MFLOP per env step", process.stdout)[1]) * 1e6
+            assert 0.9 < counted / update_flops_per_step(script) < 1.15, process.stdout
         else:
             assert set(rows) == {0, 1, 2, 3} and rows[0][0] == "actor", rows
             assert all(rows[i][0] == "learner" and rows[i][2] for i in (1, 2, 3)), rows
