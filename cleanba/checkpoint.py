@@ -8,10 +8,13 @@ Imported by cleanba_ppo.py and cleanba_impala.py only when a run checkpoints, re
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import flax.serialization
 import numpy as np
+
+from cleanba.plumbing import digest, fail, host, resumable_flags
 
 
 def write_atomically(path: Path, payload: dict):
@@ -79,3 +82,23 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set):
     empty = {"returns": np.zeros(0), "lengths": np.zeros(0)}
     window = {key: np.asarray(value) for key, value in payload.get("episode_window", empty).items()}
     return payload["iteration"], flax.serialization.from_state_dict(template, payload["train_state"]), window
+
+
+def resume_checkpoint(path: Path, args, state):
+    """(completed iterations, train state, the last games' returns) of the run that saved the checkpoint at path, on
+    the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
+    try:
+        completed, restored, episode_window = load_checkpoint(path, asdict(args), host(state), resumable_flags(args))
+    except ValueError as error:
+        fail(
+            f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
+            "with another --run-name"
+        )
+    print(
+        f"rank {args.process_index}: resumed {path} at iteration {completed} (global step "
+        f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
+        f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}; its last games' returns "
+        f"{episode_window['returns'].tolist()}",
+        flush=True,
+    )
+    return completed, restored, episode_window

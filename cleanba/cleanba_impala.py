@@ -57,18 +57,24 @@ from jax.sharding import PartitionSpec as P
 
 from cleanba.plumbing import (
     IterationLogger,
+    Stop,
+    StopTraining,
     Stopwatch,
     check_devices,
     check_flags,
-    check_memory,
+    check_learner_memory,
     default_run_name,
     digest,
     fail,
     first_replica,
     flag,
+    handle_signals,
     host,
-    learner_memory_needs,
-    resumable_flags,
+    print_start,
+    queue_get,
+    queue_put,
+    resume_requested,
+    run_thread,
     watch_progress,
 )
 from cleanba.reductions import Groups, chunked_apply, env_blocks, make_groups, split_envs
@@ -488,37 +494,6 @@ class RolloutInfo(NamedTuple):
     rollout_queue_wait: float = 0.0  # how long the actor waited to queue it: filled in by the learner
 
 
-class StopTraining(Exception):
-    """Raised in a thread that waits on a queue after the run was told to stop."""
-
-
-class Stop(threading.Event):
-    """Set when the run must stop: at the end, on a signal (SIGINT, SIGTERM) or on an error in any thread. Every
-    queue wait sees it within 0.2 s (StopTraining), the learner at each iteration. It keeps why."""
-
-    def __init__(self):
-        super().__init__()
-        self.signals, self.errors = [], []
-
-
-def queue_get(q: queue.Queue, stop: Stop):
-    while True:  # short timeouts so a stop (error elsewhere, Ctrl-C, end of run) is seen promptly
-        try:
-            return q.get(timeout=0.2)
-        except queue.Empty:
-            if stop.is_set():
-                raise StopTraining from None
-
-
-def queue_put(q: queue.Queue, item, stop: Stop):
-    while True:
-        try:
-            return q.put(item, timeout=0.2)
-        except queue.Full:
-            if stop.is_set():
-                raise StopTraining from None
-
-
 def make_policy(args: Args, agent, action_key):
     """The actor's jitted policy step: (params, obs, global env ids, step) -> the columns [actions, logprobs]. With
     --exact the network runs on --group-envs envs at a time, each chunk on its own (optimization barriers), so that an
@@ -705,35 +680,6 @@ def compile_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, state: Tr
     return make_learner_update(agent, args, shuffle_key, mesh, len(rollouts)).lower(state, rollouts).compile()
 
 
-def check_learner_memory(
-    args: Args,
-    agent,
-    shuffle_key,
-    mesh: Mesh,
-    state: TrainState,
-    rollouts: tuple,
-    learner_update,
-    local_learner_devices: list,
-    fields: Rollout,
-):
-    """Refuse a learner that cannot fit in memory, before training (cleanba/plumbing.py check_memory)."""
-    queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh.size
-    host_storage = len(rollouts) * sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields)
-
-    def accumulation_needs(steps: int) -> dict:
-        other = replace(args, gradient_accumulation_steps=steps)
-        analysis = compile_learner_update(agent, other, shuffle_key, mesh, state, rollouts).memory_analysis()
-        return learner_memory_needs(analysis, queued)
-
-    check_memory(
-        learner_memory_needs(learner_update.memory_analysis(), queued),
-        local_learner_devices,
-        host_storage,
-        accumulation_needs,
-        args.gradient_accumulation_steps,
-    )
-
-
 def make_agent(args: Args, mesh: Mesh):
     """The network, its initial train state replicated over the learner devices, and the action and shuffle keys."""
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
@@ -762,17 +708,6 @@ def make_process_gather(mesh: Mesh, local_learner_devices: list):
         return np.asarray(first_replica(replicate(stacked)))[:: len(local_learner_devices)]
 
     return gather
-
-
-def run_thread(target, stop: Stop, *thread_args):
-    """Thread body: any error stops the whole run and is re-raised by the main thread."""
-    try:
-        target(*thread_args, stop)
-    except StopTraining:
-        pass
-    except BaseException as error:
-        stop.errors.append(error)
-        stop.set()
 
 
 def initialize_distributed(args: Args):
@@ -823,17 +758,11 @@ def start(args: Args) -> Run:
     learner_devices = [
         jax.local_devices(process_index=p)[i] for p in range(args.world_size) for i in args.learner_device_ids
     ]
-    run.mesh = mesh = Mesh(np.array(learner_devices), ("learner",))
+    mesh = Mesh(np.array(learner_devices), ("learner",))
     run_name = args.run_name or default_run_name(args)
     run.run_dir = Path("runs") / run_name
     run.checkpoint_path = run.run_dir / "checkpoint.msgpack"
-    # A requeued SLURM job resumes by itself (SLURM_RESTART_COUNT counts the requeues).
-    resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and run.checkpoint_path.exists())
-    if resume and not run.checkpoint_path.exists():
-        fail(
-            f"--resume: no checkpoint at {run.checkpoint_path}; give the --run-name of a run that saved one "
-            f"(--checkpoint-frequency)"
-        )
+    resume = resume_requested(args, run.checkpoint_path)
 
     agent, run.state, action_key, shuffle_key = make_agent(args, mesh)
     if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
@@ -842,25 +771,10 @@ def start(args: Args) -> Run:
         check_network(sys.modules[__name__], args, first_replica(run.state.params))
     run.completed, run.episode_window = 0, None
     if resume:
-        from cleanba import checkpoint
+        from cleanba.checkpoint import resume_checkpoint  # optional file I/O, imported only when used
 
-        try:
-            completed, restored, run.episode_window = checkpoint.load_checkpoint(
-                run.checkpoint_path, asdict(args), host(run.state), resumable_flags(args)
-            )
-        except ValueError as error:
-            fail(
-                f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
-                "with another --run-name"
-            )
-        run.state, run.completed = jax.device_put(restored, NamedSharding(mesh, P())), completed
-        print(
-            f"rank {args.process_index}: resumed {run.checkpoint_path} at iteration {completed} (global step "
-            f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
-            f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}; its last games' returns "
-            f"{run.episode_window['returns'].tolist()}",
-            flush=True,
-        )
+        run.completed, restored, run.episode_window = resume_checkpoint(run.checkpoint_path, args, run.state)
+        run.state = jax.device_put(restored, NamedSharding(mesh, P()))
     run.start_iteration = run.completed + 1
 
     num_slots = len(actor_devices) * args.num_actor_threads
@@ -870,41 +784,21 @@ def start(args: Args) -> Run:
     compile_start = time.time()
     run.update = compile_learner_update(agent, args, shuffle_key, mesh, run.state, rollouts)
     compile_time = time.time() - compile_start
-    if args.memory_check:
-        check_learner_memory(
-            args, agent, shuffle_key, mesh, run.state, rollouts, run.update, run.local_learner_devices, fields
-        )
+    if args.memory_check:  # refuse a learner that cannot fit in memory, before training
+
+        def compile_with_accumulation(steps: int):
+            other = replace(args, gradient_accumulation_steps=steps)
+            return compile_learner_update(agent, other, shuffle_key, mesh, run.state, rollouts)
+
+        check_learner_memory(run.update, compile_with_accumulation, rollouts, fields, run.local_learner_devices, args)
 
     run.logger = None  # only process 0 writes logs, checkpoints and the model
     if args.process_index == 0:
         purge_step = run.completed * args.batch_size + 1 if resume else None  # drop logs after it
         run.logger = IterationLogger(args, run_name, run.run_dir, purge_step, run.episode_window, compile_time)
-        pads = sum(
-            len(pad_ids)
-            for _, pad_ids in learner_shards(args, np.arange(args.local_num_envs), len(run.local_learner_devices))
-        )
-        padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
-        print(
-            f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
-            f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
-            f"{len(learner_devices)} device(s){padding}, logs in {run.run_dir}; jax {jax.__version__} (jaxlib "
-            f"{version('jaxlib')}), XLA_FLAGS: {os.environ.get('XLA_FLAGS') or 'none'}",
-            flush=True,
-        )
-        if args.exact:  # groups are cut from each actor thread's envs, so they only tile the same way in whole blocks
-            block = env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS)[1]
-            splits = (
-                f"and on any split of the envs over actor threads and processes whose --local-num-envs is a "
-                f"multiple of {block}"
-                if args.local_num_envs % block == 0
-                else f"but not on another split of the envs over actor threads or processes (--local-num-envs is not "
-                f"a multiple of {block}, a block of groups)"
-            )
-            print(
-                f"exact: sums over groups of {args.group_envs} envs in a fixed order, the same bits on every learner "
-                f"layout {splits}; XLA_FLAGS: {os.environ['XLA_FLAGS']}",
-                flush=True,
-            )
+        shards = learner_shards(args, np.arange(args.local_num_envs), len(run.local_learner_devices))
+        block = env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS)[1]
+        print_start(args, run_name, run.run_dir, len(learner_devices), sum(len(pad) for _, pad in shards), block)
 
     policy = make_policy(args, agent, action_key)
     run.process_gather = make_process_gather(mesh, run.local_learner_devices)
@@ -936,16 +830,7 @@ def start(args: Args) -> Run:
                 )
             )
 
-    def on_signal(signum, frame):  # stop at the next queue wait or iteration boundary, checkpoint, exit
-        run.stop.signals.append(signum)
-        if args.distributed:  # processes must stop after the same iteration, or one would wait forever in a
-            os.kill(os.getpid(), signal.SIGTERM)  # collective: JAX's preemption notifier syncs them (train)
-        else:
-            run.stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    if not args.distributed:  # JAX's notifier already holds SIGTERM
-        signal.signal(signal.SIGTERM, on_signal)
+    handle_signals(run.stop, args.distributed)
     return run
 
 

@@ -3,7 +3,9 @@ changes what it learns or how data moves between actors and learner.
 
 - refusing bad flags before anything starts (the scripts add their own algorithm's checks);
 - run names, checksums of params, the stall watchdog;
-- where an actor's rollout time goes (Stopwatch) and what the learner logs (IterationLogger, docs/metrics.md).
+- where an actor's rollout time goes (Stopwatch) and what the learner logs (IterationLogger, docs/metrics.md);
+- a run's start-up and shut-down around its queues and threads: whether it resumes, the learner's memory check, the
+  start line, the stop flag and the queue waits that see it (Stop, queue_get, queue_put, run_thread), signals.
 
 A fork changes the algorithm in its own file and rarely needs to read this one.
 """
@@ -11,11 +13,15 @@ A fork changes the algorithm in its own file and rarely needs to read this one.
 import faulthandler
 import hashlib
 import os
+import queue
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, field, fields
 from functools import partial
+from importlib.metadata import version
 from pathlib import Path
 
 import envpool
@@ -402,3 +408,115 @@ class IterationLogger:
             import wandb
 
             wandb.finish()
+
+
+# ---- Start-up and shut-down of a run (the scripts' start, train and stop_run call these)
+
+
+def resume_requested(args, checkpoint_path: Path) -> bool:
+    """Whether this run resumes from its checkpoint: --resume, or a requeued SLURM job (SLURM_RESTART_COUNT counts
+    the requeues) whose run saved one."""
+    resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and checkpoint_path.exists())
+    if resume and not checkpoint_path.exists():
+        fail(
+            f"--resume: no checkpoint at {checkpoint_path}; give the --run-name of a run that saved one "
+            f"(--checkpoint-frequency)"
+        )
+    return resume
+
+
+def check_learner_memory(update, compile_with_accumulation, rollouts: tuple, fields, learner_devices: list, args):
+    """Refuse a learner that cannot fit in memory, before training (check_memory). update: the compiled learner
+    update; compile_with_accumulation(steps): the same with --gradient-accumulation-steps=steps, for the advice."""
+    mesh_size = args.world_size * len(learner_devices)
+    queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh_size
+    host_storage = len(rollouts) * sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields)
+
+    def accumulation_needs(steps: int) -> dict:
+        return learner_memory_needs(compile_with_accumulation(steps).memory_analysis(), queued)
+
+    needs = learner_memory_needs(update.memory_analysis(), queued)
+    check_memory(needs, learner_devices, host_storage, accumulation_needs, args.gradient_accumulation_steps)
+
+
+def print_start(args, run_name: str, run_dir: Path, num_learner_devices: int, pads: int, block: int):
+    """The start line of a run (process 0): its sizes, devices, logs and versions; with --exact, where its bits hold.
+    pads: the masked pad envs per actor thread; block: the envs of a block of groups (reductions.env_blocks)."""
+    padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
+    print(
+        f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
+        f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
+        f"{num_learner_devices} device(s){padding}, logs in {run_dir}; jax {jax.__version__} (jaxlib "
+        f"{version('jaxlib')}), XLA_FLAGS: {os.environ.get('XLA_FLAGS') or 'none'}",
+        flush=True,
+    )
+    if args.exact:  # groups are cut from each actor thread's envs, so they only tile the same way in whole blocks
+        splits = (
+            f"and on any split of the envs over actor threads and processes whose --local-num-envs is a "
+            f"multiple of {block}"
+            if args.local_num_envs % block == 0
+            else f"but not on another split of the envs over actor threads or processes (--local-num-envs is not "
+            f"a multiple of {block}, a block of groups)"
+        )
+        print(
+            f"exact: sums over groups of {args.group_envs} envs in a fixed order, the same bits on every learner "
+            f"layout {splits}; XLA_FLAGS: {os.environ['XLA_FLAGS']}",
+            flush=True,
+        )
+
+
+class StopTraining(Exception):
+    """Raised in a thread that waits on a queue after the run was told to stop."""
+
+
+class Stop(threading.Event):
+    """Set when the run must stop: at the end, on a signal (SIGINT, SIGTERM) or on an error in any thread. Every
+    queue wait sees it within 0.2 s (StopTraining), the learner at each iteration. It keeps why."""
+
+    def __init__(self):
+        super().__init__()
+        self.signals, self.errors = [], []
+
+
+def queue_get(q: queue.Queue, stop: Stop):
+    while True:  # short timeouts so a stop (error elsewhere, Ctrl-C, end of run) is seen promptly
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            if stop.is_set():
+                raise StopTraining from None
+
+
+def queue_put(q: queue.Queue, item, stop: Stop):
+    while True:
+        try:
+            return q.put(item, timeout=0.2)
+        except queue.Full:
+            if stop.is_set():
+                raise StopTraining from None
+
+
+def run_thread(target, stop: Stop, *thread_args):
+    """Thread body: any error stops the whole run and is re-raised by the main thread."""
+    try:
+        target(*thread_args, stop)
+    except StopTraining:
+        pass
+    except BaseException as error:
+        stop.errors.append(error)
+        stop.set()
+
+
+def handle_signals(stop: Stop, distributed: bool):
+    """SIGINT and SIGTERM stop the run at the next queue wait or iteration boundary; it then checkpoints and exits."""
+
+    def on_signal(signum, frame):
+        stop.signals.append(signum)
+        if distributed:  # processes must stop after the same iteration, or one would wait forever in a
+            os.kill(os.getpid(), signal.SIGTERM)  # collective: JAX's preemption notifier syncs them (train)
+        else:
+            stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    if not distributed:  # JAX's notifier already holds SIGTERM
+        signal.signal(signal.SIGTERM, on_signal)
