@@ -175,8 +175,8 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
 
 def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_devices: int) -> float:
     """Flops of one update on one learner device: XLA's cost analysis of the same update (the GPU's network), for one
-    device's share of the rollouts, lowered for the CPU (before optimization; nothing is compiled). The GPU program has no cost
-    analysis, and after optimization its cuDNN and cuBLAS calls would count no flops."""
+    device's share of the rollouts, lowered for the CPU (before optimization; nothing is compiled). The GPU program
+    has no cost analysis, and after optimization its cuDNN and cuBLAS calls would count no flops."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
