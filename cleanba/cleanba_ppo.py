@@ -19,28 +19,14 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from importlib.metadata import version
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from cleanba.startup import add_xla_flags, prepare_process
 
-def add_xla_flags(*flags: str):
-    """Append XLA flags the user has not set (XLA reads them when a backend starts). The only place that edits them."""
-    for xla_flag in flags:
-        if xla_flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flag}".strip()
-
-
-# Leave GPU memory for the actor's inference when it shares a GPU with the learner; never overwrite a
-# setting the user made (the old and new names of this variable conflict when both are set).
-if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
-    os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", "0.6")
-# XLA:CPU computes the weight gradients of convolutions 5-30x slower than the convolutions themselves (860 ms vs
-# 30 ms for a 3x3 conv on 64x42x42x32); routing reductions through YNNPACK brings them to the forward's cost and
-# more than halves the CPU time of an Atari update (docs/performance.md). The flag is experimental and XLA aborts
-# on flags it does not know, so it is only added for the jaxlib it was checked with.
-if version("jaxlib").startswith("0.10."):
-    add_xla_flags("--xla_cpu_experimental_ynn_fusion_type=reduce")
+# Before JAX and EnvPool load: XLA's flags and memory fraction (cleanba/startup.py), and one line naming what to
+# install where this Python or EnvPool cannot run.
+prepare_process()
 
 import envpool
 import flax.linen as nn

@@ -41,6 +41,7 @@ import tyro
 
 from cleanba.benchmark import load_script, resolve_script, split_argv
 from cleanba.plumbing import fail
+from cleanba.startup import MEM_FRACTION
 
 SPECS = Path(__file__).with_name("gpu_targets")
 # Dense TF32 tensor-core peaks (NVIDIA data sheets): XLA's default precision for float32 convolutions and matmuls
@@ -50,7 +51,6 @@ TARGETS = {
     "a100-80gb": ("a100_sxm_80.txtpb", 156e12),
     "h100": ("h100_sxm.txtpb", 494.7e12),
 }
-DEFAULT_MEM_FRACTION = 0.6  # what the training scripts set unless the user sets one
 GPUS_PER_HOST = 8  # an SXM board (DGX, HGX) holds 8 of these GPUs
 
 
@@ -83,9 +83,7 @@ def ptxas_dir() -> str:
 
 def memory_fraction() -> float:
     return float(
-        os.environ.get(
-            "XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)
-        )
+        os.environ.get("XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
     )
 
 

@@ -1,7 +1,18 @@
-"""Bad input is refused right after parsing: exit 2, a message naming the flag and the fix, no traceback."""
+"""Bad input is refused right after parsing: exit 2, a message naming the flag and the fix, no traceback. A machine
+that cannot run the scripts (a Python the project does not support, EnvPool or a system library it needs missing)
+gets one line naming what to install: exit 1 (cleanba/startup.py)."""
 
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import envpool
 import pytest
-from conftest import run_script
+from conftest import ROOT, SCRIPTS, run_script
+
+from cleanba import startup
 
 CASES = {
     "learner device out of range": (["--learner-device-ids", "3"], 1, "--learner-device-ids 3", "local device"),
@@ -49,6 +60,74 @@ def test_minibatch_sizes_refused(script, tmp_path):
     flags, *fragments = MINIBATCH_CASE[script]
     process = run_script(script, ["--env-id", "CartPole-v1", "--learner-device-ids", "0", *flags], tmp_path, timeout=60)
     check_refused(process, *fragments)
+
+
+def check_one_line(process, *fragments):
+    """Ended before JAX started, with one line naming what to install, last on stderr (EnvPool's modules may log
+    before it), and no traceback."""
+    errors = [line for line in process.stderr.splitlines() if "error" in line.lower()]
+    assert process.returncode == 1 and len(errors) == 1, process.stderr
+    assert process.stderr.strip().splitlines()[-1] == errors[0] and "Traceback" not in process.stderr, process.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    assert process.stdout == "", process.stdout
+
+
+def test_missing_envpool_library_is_one_line(script, tmp_path):
+    """The installed EnvPool wheel, with one NEEDED entry more in one of its modules (patchelf): what envpool 1.2.6
+    and later are on a machine without libEGL.so.1, here with a library no machine has."""
+    installed = Path(envpool.__file__).parent
+    site = tmp_path / "site"
+    (site / "envpool").mkdir(parents=True)
+    (site / "envpool.libs").symlink_to(installed.with_name("envpool.libs"))  # the wheel's $ORIGIN/../envpool.libs
+    for entry in installed.iterdir():
+        if entry.name != "gfootball":
+            (site / "envpool" / entry.name).symlink_to(entry)
+    (site / "envpool" / "gfootball").mkdir()
+    for entry in (installed / "gfootball").iterdir():
+        (site / "envpool" / "gfootball" / entry.name).symlink_to(entry)
+    module = site / "envpool" / "gfootball" / "gfootball_envpool.so"
+    module.unlink()
+    module.write_bytes((installed / "gfootball" / module.name).read_bytes())
+    patchelf = Path(sys.executable).with_name("patchelf")
+    subprocess.run([patchelf, "--add-needed", "libcleanba-absent.so.1", module], check=True)
+    process = run_script(
+        script,
+        ["--env-id", "CartPole-v1"],
+        tmp_path,
+        timeout=60,
+        env={"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"},
+    )
+    check_one_line(process, "EnvPool 1.2", "libcleanba-absent.so.1", "the system package that provides it")
+
+
+def test_missing_envpool_is_one_line(script, tmp_path):
+    """No EnvPool at all: a Python without this environment's site-packages (-S), the project on PYTHONPATH."""
+    process = subprocess.run(
+        [sys.executable, "-S", SCRIPTS[script], "--env-id", "CartPole-v1"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    check_one_line(process, "No module named 'envpool'", "poetry install")
+
+
+def test_the_lines_name_what_to_install():
+    """The messages themselves, for inputs this machine does not have: other Pythons, envpool 1.2.7's libraries."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert (
+        requires
+        == f">={startup.PYTHONS[0][0]}.{startup.PYTHONS[0][1]},<{startup.PYTHONS[1][0]}.{startup.PYTHONS[1][1] + 1}"
+    )
+    assert startup.python_problem((3, 11, 0)) is None and startup.python_problem((3, 14, 8)) is None
+    for version in [(3, 10, 12), (3, 15, 0), (2, 7, 18)]:
+        problem = startup.python_problem(version)
+        assert problem and "3.11 to 3.14" in problem and ".".join(map(str, version)) in problem, problem
+    for library, package in [("libEGL.so.1", "libegl1"), ("libOpenGL.so.0", "libopengl0")]:
+        error = OSError(f"{library}: cannot open shared object file: No such file or directory")
+        assert f"sudo apt-get install {package}" in startup.library_problem(error)
 
 
 def numeric_flags(module) -> dict:

@@ -1,0 +1,91 @@
+"""What a training process sets and checks before it imports JAX and EnvPool. The scripts import this module first.
+
+- XLA's environment, decided here once for every script and tool: the memory fraction that leaves a shared GPU
+  room for the actor's inference, and the XLA:CPU flag of the jaxlib it was checked with. JAX reads both when its
+  first backend starts, so they are set before any import of jax. The scripts' start line prints XLA_FLAGS.
+- A Python the project does not support, or an EnvPool that cannot load a system library it links against, ends
+  the process with one line naming what to install (exit status 1), instead of a traceback from inside an import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+PYTHONS = ((3, 11), (3, 14))  # the oldest and newest minor versions pyproject.toml's requires-python admits
+MEM_FRACTION = "0.6"  # of an accelerator's memory for this process's allocator, unless the user sets one
+# The Debian and Ubuntu packages of the system libraries that EnvPool's wheels link against and a minimal system
+# lacks: envpool 1.2.6 and later load EGL and OpenGL when the package is imported (its gfootball module).
+LIBRARY_PACKAGES = {
+    "libEGL.so.1": "libegl1",
+    "libOpenGL.so.0": "libopengl0",
+    "libGL.so.1": "libgl1",
+    "libGLX.so.0": "libglx0",
+}
+
+
+def add_xla_flags(*flags: str):
+    """Append XLA flags the user has not set (XLA reads them when a backend starts). The only place that edits them."""
+    for xla_flag in flags:
+        if xla_flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flag}".strip()
+
+
+def python_problem(version_info=sys.version_info) -> str | None:
+    """Why this Python cannot run the project, or None."""
+    if PYTHONS[0] <= tuple(version_info[:2]) <= PYTHONS[1]:
+        return None
+    supported = f"{PYTHONS[0][0]}.{PYTHONS[0][1]} to {PYTHONS[1][0]}.{PYTHONS[1][1]}"
+    found = ".".join(str(part) for part in version_info[:3])
+    return (
+        f"Python {found} is not supported: cleanba needs Python {supported} (its dependencies have no wheels for"
+        f" others); install one of those and run the README's quick start with it"
+    )
+
+
+def library_problem(error: Exception) -> str:
+    """The line for an EnvPool whose import failed to load a shared library (dlopen's message)."""
+    library = re.search(r"([\w.+-]+\.so[\w.]*): cannot open shared object file", str(error)).group(1)
+    lacks = f"EnvPool {envpool_version()} needs the system library {library}, which this machine lacks"
+    if library not in LIBRARY_PACKAGES:
+        return f"{lacks}: install the system package that provides it"
+    return (
+        f"{lacks}: install it (Debian, Ubuntu: sudo apt-get install {LIBRARY_PACKAGES[library]}), or envpool 1.2.5,"
+        f" which poetry.lock pins and which loads no graphics library"
+    )
+
+
+def envpool_version() -> str:
+    try:
+        return version("envpool")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def prepare_process():
+    """Check the Python and EnvPool, then set XLA's environment. Exits with one line where something is missing."""
+    problem = python_problem()
+    if problem is None:
+        try:
+            import envpool  # noqa: F401  (the scripts' own import of it then finds it loaded)
+        except ModuleNotFoundError as error:
+            if error.name != "envpool":
+                raise
+            problem = f"{error}: install the project first (README's quick start: poetry install --compile)"
+        except (ImportError, OSError) as error:  # a shared library one of its modules links against is missing
+            if "cannot open shared object file" not in str(error):
+                raise
+            problem = library_problem(error)
+    if problem is not None:
+        print(f"{os.path.basename(sys.argv[0]) or 'cleanba'}: error: {problem}", file=sys.stderr)
+        sys.exit(1)
+    if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:  # the old and new names conflict when both are set
+        os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", MEM_FRACTION)
+    # XLA:CPU computes the weight gradients of convolutions 5-30x slower than the convolutions themselves (860 ms
+    # vs 30 ms for a 3x3 conv on 64x42x42x32); routing reductions through YNNPACK brings them to the forward's cost
+    # and more than halves the CPU time of an Atari update (docs/performance.md). The flag is experimental and XLA
+    # aborts on flags it does not know, so it is only added for the jaxlib it was checked with.
+    if version("jaxlib").startswith("0.10."):
+        add_xla_flags("--xla_cpu_experimental_ynn_fusion_type=reduce")
