@@ -14,7 +14,8 @@ GPU of host 0 (the other hosts run the same programs) it prints:
                outputs per device, plus the next rollouts that wait in the queues meanwhile;
     actor      the script's policy step (make_policy) at one actor thread's batch, once per actor thread: the
                params copy, the observations and the actions;
-and their sum against the device's memory at the scripts' memory fraction (XLA_CLIENT_MEM_FRACTION, default 0.6).
+and their sum against the device's memory at the scripts' memory fraction (XLA_CLIENT_MEM_FRACTION, default
+cleanba/startup.py's MEM_FRACTION).
 Where actor and learner share a GPU (a0-l0), both count. Also the flops of one update (XLA's cost analysis of the
 same update compiled for the CPU: after GPU optimization, cuDNN and cuBLAS calls count no flops), per env step,
 and the learner's compute bound in env steps per second at the target's dense TF32 peak.
@@ -39,9 +40,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import tyro
 
+from cleanba import startup
 from cleanba.benchmark import load_script, resolve_script, split_argv
-from cleanba.plumbing import fail
-from cleanba.startup import MEM_FRACTION
+from cleanba.plumbing import actor_threads, fail
 
 SPECS = Path(__file__).with_name("gpu_targets")
 # Dense TF32 tensor-core peaks (NVIDIA data sheets): XLA's default precision for float32 convolutions and matmuls
@@ -82,9 +83,7 @@ def ptxas_dir() -> str:
 
 
 def memory_fraction() -> float:
-    return float(
-        os.environ.get("XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
-    )
+    return float(startup.memory_fraction())
 
 
 def device_memory(spec_text: str) -> int:
@@ -125,8 +124,8 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     replicated = NamedSharding(mesh, P())
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
     fields = module.rollout_fields(args, space.shape, space.dtype)
-    slots = len(args.actor_device_ids) * args.num_actor_threads
-    rollouts = (module.learner_rollout_shapes(args, fields, mesh, len(args.learner_device_ids)),) * slots
+    slots = actor_threads(args)
+    rollouts = (module.learner_rollout_shapes(args, fields, mesh),) * slots
 
     start = time.time()
     update = module.make_learner_update(agent, args, shuffle_key, mesh, slots)

@@ -33,6 +33,11 @@ def add_xla_flags(*flags: str):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flag}".strip()
 
 
+def memory_fraction() -> str:
+    """The fraction of an accelerator's memory this process's allocator takes: the user's, else MEM_FRACTION."""
+    return os.environ.get("XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION))
+
+
 def python_problem(version_info=sys.version_info) -> str | None:
     """Why this Python cannot run the project, or None."""
     if PYTHONS[0] <= tuple(version_info[:2]) <= PYTHONS[1]:
