@@ -114,7 +114,6 @@ SCRIPTS = {"ppo": Path(__file__).with_name("cleanba_ppo.py"), "impala": Path(__f
 SCRIPT_FUNCTIONS = (
     "Args",
     "check_args",
-    "check_devices",
     "fill_runtime_sizes",
     "make_env",
     "env_kwargs",
@@ -128,7 +127,6 @@ SCRIPT_FUNCTIONS = (
     "first_replica",
     "queue_get",
     "queue_put",
-    "run_thread",
     "StopTraining",
     "learner_shards",
     "update_minibatch",
@@ -312,13 +310,15 @@ def join_all(threads: list):
 def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
     starts = []  # barrier j releases when every thread has finished window j - 1
     barrier = threading.Barrier(len(thread_slots(args)), action=lambda: starts.append(time.time()))
+    from cleanba.plumbing import stops_run_on_error
+
     stop = module.Stop()
     threads = [
         threading.Thread(
-            target=module.run_thread,
+            target=stops_run_on_error(random_actor),
             daemon=True,
             name=f"env-{thread_index}",
-            args=(random_actor, stop, module, args, thread_index, bench, barrier),
+            args=(module, args, thread_index, bench, barrier, stop),
         )
         for _, thread_index in thread_slots(args)
     ]
@@ -337,16 +337,19 @@ def build_model(module, args):
     import jax
     from jax.sharding import Mesh
 
-    module.check_devices(args, len(jax.local_devices()))
+    from cleanba.plumbing import check_devices
+
+    check_devices(args, len(jax.local_devices()))
     local_devices = jax.local_devices()
     learner_devices = [local_devices[i] for i in args.learner_device_ids]
     mesh = Mesh(np.array(learner_devices), ("learner",))
-    agent, state, action_key, shuffle_key = module.make_agent(args, mesh)
+    spec = envpool.make_spec(args.env_id, **module.env_kwargs(args))
+    agent, state, action_key, shuffle_key = module.make_agent(args, spec, mesh)
     return dict(
         actor_devices=[local_devices[i] for i in args.actor_device_ids],
         learner_devices=learner_devices,
         mesh=mesh,
-        spec=envpool.make_spec(args.env_id, **module.env_kwargs(args)),
+        spec=spec,
         agent=agent,
         state=state,
         action_key=action_key,
@@ -365,6 +368,8 @@ def feed_params(module, param_queue, params, stop):
 def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     import jax
 
+    from cleanba.plumbing import stops_run_on_error
+
     model = build_model(module, args)
     params = module.first_replica(model["state"].params)  # where main() hands params over
     policy = module.make_policy(args, model["agent"], model["action_key"])
@@ -375,30 +380,28 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     for slot, (d, thread_index) in enumerate(slots):
         threads.append(
             threading.Thread(
-                target=module.run_thread,
+                target=module.rollout_actor,
                 daemon=True,
                 name=f"actor-{thread_index}",
                 args=(
-                    module.rollout_actor,
-                    stop,
                     args,
                     1,
                     thread_index,
                     model["actor_devices"][d],
                     model["mesh"],
-                    model["learner_devices"],
                     policy,
                     param_queues[slot],
                     rollout_queues[slot],
+                    stop,
                 ),
             )
         )
         threads.append(
             threading.Thread(
-                target=module.run_thread,
+                target=stops_run_on_error(feed_params),
                 daemon=True,
                 name=f"feeder-{thread_index}",
-                args=(feed_params, stop, module, param_queues[slot], params),
+                args=(module, param_queues[slot], params, stop),
             )
         )
     ends, rollout_times, timings = [], [], []
@@ -462,7 +465,6 @@ def learner_rollouts(module, args, model) -> tuple:
             args,
             synthetic_rollout(module, args, model["spec"], thread_index, rng),
             model["mesh"],
-            model["learner_devices"],
         )
         for _, thread_index in thread_slots(args)
     )
@@ -473,7 +475,7 @@ def rollout_structs(module, args, model) -> tuple:
     shapes and dtypes only: for compiling at sizes that would not fit in this machine's memory or time."""
     space = model["spec"].observation_space
     fields = module.rollout_fields(args, space.shape, space.dtype)
-    shapes = module.learner_rollout_shapes(args, fields, model["mesh"], len(model["learner_devices"]))
+    shapes = module.learner_rollout_shapes(args, fields, model["mesh"])
     return (shapes,) * len(thread_slots(args))
 
 

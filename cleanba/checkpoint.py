@@ -1,7 +1,7 @@
 """Checkpoints and saved models of the training scripts: one msgpack file each, never left half-written.
 
-Imported by cleanba_ppo.py and cleanba_impala.py only when a run checkpoints, resumes or saves its model
-(--checkpoint-frequency, --resume, --save-model). Everything passed in is on the host (jax.device_get).
+The training scripts resume from a checkpoint (resume), write one (save_run_checkpoint) and save their trained model
+(save_trained_model) with these; the file functions take everything on the host (jax.device_get).
 
     args, params, script = load_model("runs/<run_name>/cleanba_ppo.cleanba_model")
 """
@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import flax.serialization
+import jax
 import numpy as np
 
 from cleanba.plumbing import digest, fail, host, resumable_flags
@@ -101,4 +102,44 @@ def resume_checkpoint(path: Path, args, state):
         f"{episode_window['returns'].tolist()}",
         flush=True,
     )
+    if completed >= args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
+        print(
+            f"rank {args.process_index}: nothing to train, the checkpoint is of the last iteration "
+            f"({args.num_iterations})",
+            flush=True,
+        )
     return completed, restored, episode_window
+
+
+def resume_requested(args, checkpoint_path: Path) -> bool:
+    """Whether this run resumes from its checkpoint: --resume, or a requeued SLURM job (SLURM_RESTART_COUNT counts
+    the requeues) whose run saved one."""
+    resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and checkpoint_path.exists())
+    if resume and not checkpoint_path.exists():
+        fail(
+            f"--resume: no checkpoint at {checkpoint_path}; give the --run-name of a run that saved one "
+            f"(--checkpoint-frequency)"
+        )
+    return resume
+
+
+def resume(args, path: Path, state):
+    """(completed iterations, train state, the last games' returns) a training run starts from: where it resumes
+    (resume_requested), its checkpoint's, the train state on the devices of `state`; else (0, state, None)."""
+    if not resume_requested(args, path):
+        return 0, state, None
+    completed, restored, episode_window = resume_checkpoint(path, args, state)
+    return completed, jax.device_put(restored, jax.tree.map(lambda x: x.sharding, state)), episode_window
+
+
+def save_run_checkpoint(run):
+    """A checkpoint of a training script's Run: its args, train state, last iteration and its logger's last games."""
+    save_checkpoint(run.checkpoint_path, asdict(run.args), host(run.state), run.completed, run.logger.episode_window())
+
+
+def save_trained_model(run, script: str) -> Path:
+    """The end of a --save-model run (a training script's Run): runs/<run_name>/<exp_name>.cleanba_model."""
+    path = run.run_dir / f"{run.args.exp_name}.cleanba_model"
+    save_model(path, script, asdict(run.args), host(run.state.params))
+    print(f"model saved to {path}", flush=True)
+    return path

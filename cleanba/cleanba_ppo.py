@@ -1,23 +1,22 @@
 """Cleanba PPO: actor threads step EnvPool on an actor device, a data-parallel learner trains on others.
 
-One file, read top to bottom, in two halves. Above the ENGINE line, the algorithm: its flags and checks, the network,
-GAE, the PPO loss, the minibatch schedule, the optimizer. Below it, the engine: envs, queues, actor threads, learner
-sharding, the update wrapper and main; the group sums behind --exact and gradient accumulation are in
-cleanba/reductions.py. The engine is the same, byte for byte, in cleanba_impala.py (tests/test_engine.py): `diff` of the
-two scripts shows only the algorithm, and a fork edits the top. Design and protocol: Huang et al., "Cleanba: A
-Reproducible and Efficient Distributed Reinforcement Learning Platform" (arXiv 2310.00036). Usage: README.md and docs/.
+One file, read top to bottom: the flags most runs set, then two halves. Above the ENGINE line, the algorithm: its
+flags and checks, the network, GAE, the PPO loss, the minibatch schedule, the optimizer. Below it, the engine, in the
+order a run uses it: its flags, envs, actor threads, learner, and the run (start, train, stop). The group sums behind
+--exact are in cleanba/reductions.py, start-up and shut-down helpers in cleanba/plumbing.py and checkpoint.py. The
+engine is the same, byte for byte, in cleanba_impala.py (tests/test_engine.py): `diff` shows the algorithm; a fork edits
+it. Design and protocol: Huang et al., "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning
+Platform" (arXiv 2310.00036). Usage: README.md and docs/.
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
 
-import os
 import queue
 import signal
 import sys
 import threading
 import time
-import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -41,29 +40,26 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba.plumbing import (
-    IterationLogger,
-    Stop,
-    StopTraining,
-    Stopwatch,
-    check_devices,
-    check_flags,
-    check_learner_memory,
-    default_run_name,
-    digest,
-    fail,
-    first_replica,
-    flag,
-    handle_signals,
-    host,
-    print_start,
-    queue_get,
-    queue_put,
-    resume_requested,
-    run_thread,
-    watch_progress,
-)
+from cleanba import checkpoint, plumbing
+from cleanba.plumbing import Stop, StopTraining, Stopwatch, digest, fail, first_replica, flag, queue_get, queue_put
 from cleanba.reductions import Groups, chunked_apply, env_blocks, make_groups, split_envs
+
+
+@dataclass
+class Basics:
+    """The flags most runs set, first in --help: what to train, for how long, from which seed, on which devices. The
+    algorithm's flags (Algorithm) and the engine's (Args, below the ENGINE line) follow."""
+
+    env_id: str = "Breakout-v5"
+    """an EnvPool id: Atari ids (e.g. Breakout-v5) use the IMPALA ResNet, vector ids (e.g. CartPole-v1) an MLP"""
+    total_timesteps: int = flag(50_000_000, "[1, inf)")
+    """total environment steps of all envs together (frames / 4 on Atari)"""
+    seed: int = flag(1, "[0, inf)")
+    """seed of the experiment: environments, network initialisation and action sampling derive from it"""
+    actor_device_ids: list[int] = flag([0], resumable=True)
+    """local device ids that run the actor threads' policy inference"""
+    learner_device_ids: list[int] = flag([0], resumable=True)
+    """local device ids that the learner is data-parallel over"""
 
 
 @dataclass
@@ -330,58 +326,44 @@ def make_optimizer(args: "Args"):
 
 
 # ======== ENGINE: everything below this line is the same, byte for byte, in cleanba_ppo.py and cleanba_impala.py
-# The algorithm above, as the engine calls it; and the names that tools importing a script as a module use
-# (cleanba/evaluate.py, benchmark.py, gpu_compile.py; tests/test_engine.py checks both lists).
-ALGORITHM_NAMES = (
-    "Algorithm",
-    "check_algorithm",
-    "MICRO_BATCH_AXIS",
-    "minibatch_classes",
-    "make_network",
-    "learn",
-    "make_optimizer",
-)
-TOOL_NAMES = (
-    "Args",
-    "check_args",
-    "fill_runtime_sizes",
-    "check_devices",
-    "env_kwargs",
-    "make_env",
-    "make_network",
-    "make_agent",
-    "initial_state",
-    "make_policy",
-    "first_replica",
-    "rollout_fields",
-    "learner_rollout_shapes",
-    "put_on_learners",
-    "rollout_actor",
-    "make_learner_update",
-    "update_minibatch",
-    "run_thread",
-    "Stop",
-    "StopTraining",
-    "queue_get",
-    "queue_put",
-    "Rollout",
-)
+# In the order a run uses it: flags, envs, actor, learner, run (start, train, stop). It calls the algorithm above
+# only through the names tests/test_engine.py lists; the helpers of cleanba/plumbing.py change nothing it learns.
 
 
 @dataclass
-class Args(Algorithm):
-    """The flags: the algorithm's (above), then the engine's (envs, devices, processes, logs, checkpoints)."""
+class Args(Algorithm, Basics):
+    """The flags most runs set (Basics), the algorithm's, then the engine's: envs, learner, logs, checkpoints."""
 
+    atari_protocol: Literal["machado", "impala"] = "machado"
+    """Atari settings: Machado et al. 2018 (sticky actions) or the IMPALA paper's (life loss, 30 no-ops)"""
+    local_num_envs: int = flag(64, "[1, inf)", resumable=True)
+    """the number of parallel envs of each actor thread"""
+    num_actor_threads: int = flag(2, "[1, inf)", resumable=True)
+    """the number of actor threads per actor device"""
+    gradient_accumulation_steps: int = flag(1, "[1, inf)")
+    """split each minibatch into this many micro-batches whose gradients are summed (saves memory)"""
+    exact: bool = False
+    """sum over fixed groups of envs in a fixed order: the same params, bit for bit, on every learner layout"""
+    group_envs: int = flag(8, "[1, inf)")
+    """with --exact: the envs of one actor thread per group (each group's gradient is computed on its own)"""
+    memory_check: bool = flag(True, resumable=True)
+    """refuse, before training, a learner update that needs more memory than its devices (or the host) have left"""
     exp_name: str = flag(Path(__file__).stem, resumable=True)
     """the name of this experiment"""
-    seed: int = flag(1, "[0, inf)")
-    """seed of the experiment: environments, network initialisation and action sampling derive from it"""
+    run_name: str | None = flag(None, resumable=True)
+    """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
+    log_frequency: int = flag(10, "[1, inf)", resumable=True)
+    """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
     track: bool = flag(False, resumable=True)
     """sync the TensorBoard logs to Weights and Biases"""
     wandb_project_name: str = flag("cleanba", resumable=True)
     """the wandb project name"""
     wandb_entity: str | None = flag(None, resumable=True)
     """the wandb entity (team); None uses your default entity"""
+    checkpoint_frequency: int = flag(0, "[0, inf)", resumable=True)
+    """save a checkpoint every this many iterations, and when stopped by SIGINT or SIGTERM (0: never)"""
+    resume: bool = flag(False, resumable=True)
+    """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
     save_model: bool = flag(False, resumable=True)
     """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model, then evaluate them"""
     eval_episodes: int = flag(10, "[0, inf)", resumable=True)
@@ -392,24 +374,6 @@ class Args(Algorithm):
     """with --save-model: upload the model, its evaluation, videos and a model card to the Hugging Face Hub"""
     hf_repo_id: str | None = flag(None, resumable=True)
     """with --upload-model: the Hub repository (default: <your Hub user>/<env_id>-<exp_name>-seed<seed>)"""
-    log_frequency: int = flag(10, "[1, inf)", resumable=True)
-    """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
-    env_id: str = "Breakout-v5"
-    """an EnvPool id: Atari ids (e.g. Breakout-v5) use the IMPALA ResNet, vector ids (e.g. CartPole-v1) an MLP"""
-    atari_protocol: Literal["machado", "impala"] = "machado"
-    """Atari settings: Machado et al. 2018 (sticky actions) or the IMPALA paper's (life loss, 30 no-ops)"""
-    total_timesteps: int = flag(50_000_000, "[1, inf)")
-    """total environment steps of all envs together (frames / 4 on Atari)"""
-    local_num_envs: int = flag(64, "[1, inf)", resumable=True)
-    """the number of parallel envs of each actor thread"""
-    num_actor_threads: int = flag(2, "[1, inf)", resumable=True)
-    """the number of actor threads per actor device"""
-    gradient_accumulation_steps: int = flag(1, "[1, inf)")
-    """split each minibatch into this many micro-batches whose gradients are summed (saves memory)"""
-    actor_device_ids: list[int] = flag([0], resumable=True)
-    """local device ids that run the actor threads' policy inference"""
-    learner_device_ids: list[int] = flag([0], resumable=True)
-    """local device ids that the learner is data-parallel over"""
     distributed: bool = flag(False, resumable=True)
     """call jax.distributed.initialize() first: several processes, e.g. one per node under SLURM"""
     coordinator_address: str | None = flag(None, resumable=True)
@@ -422,18 +386,6 @@ class Args(Algorithm):
     """with --distributed: seconds after which the others abort when a process has died"""
     stall_timeout: int = flag(0, "[0, inf)", resumable=True)
     """abort when no iteration completes for this many seconds, e.g. a peer process is stuck (0: never)"""
-    run_name: str | None = flag(None, resumable=True)
-    """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
-    checkpoint_frequency: int = flag(0, "[0, inf)", resumable=True)
-    """save a checkpoint every this many iterations, and when stopped by SIGINT or SIGTERM (0: never)"""
-    resume: bool = flag(False, resumable=True)
-    """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
-    exact: bool = False
-    """sum over fixed groups of envs in a fixed order: the same params, bit for bit, on every learner layout"""
-    group_envs: int = flag(8, "[1, inf)")
-    """with --exact: the envs of one actor thread per group (each group's gradient is computed on its own)"""
-    memory_check: bool = flag(True, resumable=True)
-    """refuse, before training, a learner update that needs more memory than its devices (or the host) have left"""
 
     # Sizes filled in at run time (paper, appendix A); not command-line flags.
     world_size: tyro.conf.Suppress[int] = flag(0, resumable=True)  # the number of processes
@@ -447,15 +399,15 @@ class Args(Algorithm):
 
 
 def check_args(args: Args):
-    check_flags(args)  # ranges, device ids, flags that act together (cleanba/plumbing.py)
+    plumbing.check_flags(args)  # ranges, device ids, flags that act together
     check_algorithm(args)
 
 
 def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
     args.world_size, args.process_index = world_size, process_index
-    threads = len(args.actor_device_ids) * args.num_actor_threads
-    args.num_envs = args.local_num_envs * threads * world_size
-    args.local_batch_size = args.local_num_envs * args.num_steps * threads
+    process_envs = args.local_num_envs * plumbing.actor_threads(args)
+    args.num_envs = process_envs * world_size
+    args.local_batch_size = process_envs * args.num_steps
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
     args.batch_size = args.local_batch_size * world_size
     args.minibatch_size = args.local_minibatch_size * world_size
@@ -467,12 +419,11 @@ def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
         )
 
 
-def is_atari(env_id: str) -> bool:
-    return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
+# ---- Envs: EnvPool, and the rollout an actor thread fills
 
 
 def env_kwargs(args: Args) -> dict:
-    if not is_atari(args.env_id):
+    if envpool.registration.registry.specs[args.env_id][0] != "envpool.atari":
         return {}
     common = dict(img_height=84, img_width=84, stack_num=4, frame_skip=4, reward_clip=True, max_episode_steps=27_000)
     if args.atari_protocol == "machado":  # Machado et al. 2018, section 5; Cleanba paper, appendix A
@@ -489,7 +440,7 @@ def make_env(args: Args, num_envs: int, seed: int):
 
 class Rollout(NamedTuple):
     """num_steps transitions of some envs, time-major: every field is (rows, envs, ...). obs has one more row: the
-    obs after the last step. A field added here travels to the learner with no other change."""
+    obs after the last step. A new field needs its (shape, dtype) in rollout_fields and its value in rollout_actor."""
 
     obs: np.ndarray  # (T + 1, n, *obs_shape)
     actions: np.ndarray  # (T, n)
@@ -499,6 +450,21 @@ class Rollout(NamedTuple):
     truncations: np.ndarray  # (T, n) time limit: bootstrap from the final obs, stored in the next row
     valid: np.ndarray  # (T, n) False for EnvPool's auto-reset step, whose action is ignored
     env_ids: np.ndarray  # (1, n) global env indices, for layout-invariant shuffling and sums (pad envs: negative)
+
+
+def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
+    """(shape, dtype) of each field of one actor thread's rollout."""
+    T, n = args.num_steps, args.local_num_envs
+    return Rollout(
+        obs=((T + 1, n, *obs_shape), obs_dtype),
+        actions=((T, n), np.int32),
+        logprobs=((T, n), np.float32),
+        rewards=((T, n), np.float32),
+        terminations=((T, n), bool),
+        truncations=((T, n), bool),
+        valid=((T, n), bool),
+        env_ids=((1, n), np.int32),
+    )
 
 
 class RolloutInfo(NamedTuple):
@@ -512,6 +478,9 @@ class RolloutInfo(NamedTuple):
     episode_lengths: np.ndarray  # (T, n) its length in agent steps, NaN elsewhere
     timings: dict  # seconds per part of the rollout (Stopwatch)
     rollout_queue_wait: float = 0.0  # how long the actor waited to queue it: filled in by the learner
+
+
+# ---- Actor: each actor thread plays its envs with the params the learner queued for it, and queues the rollout
 
 
 def make_policy(args: Args, agent, action_key):
@@ -536,70 +505,8 @@ def make_policy(args: Args, agent, action_key):
     return policy
 
 
-def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
-    """For each local learner device, the slice of one actor thread's envs it gets and the ids of the masked pad envs
-    that fill it up to whole blocks of the algorithm's groups (cleanba/reductions.py)."""
-    return split_envs(env_ids, num_devices, *env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS))
-
-
-def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
-    """(shape, dtype) of each field of one actor thread's rollout."""
-    T, n = args.num_steps, args.local_num_envs
-    return Rollout(
-        obs=((T + 1, n, *obs_shape), obs_dtype),
-        actions=((T, n), np.int32),
-        logprobs=((T, n), np.float32),
-        rewards=((T, n), np.float32),
-        terminations=((T, n), bool),
-        truncations=((T, n), bool),
-        valid=((T, n), bool),
-        env_ids=((1, n), np.int32),
-    )
-
-
-def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh, num_local_learner_devices: int) -> Rollout:
-    """One actor thread's rollout as put_on_learners hands it to the learner (padded, sharded): shapes only."""
-    envs = learner_shards(args, np.arange(args.local_num_envs), num_local_learner_devices)[0][0]
-    width = (envs.stop - envs.start) * mesh.size  # every learner device of every process holds the same width
-    sharding = NamedSharding(mesh, P(None, "learner"))
-    return Rollout(
-        *[jax.ShapeDtypeStruct((shape[0], width, *shape[2:]), dtype, sharding=sharding) for shape, dtype in fields]
-    )
-
-
-def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh, local_learner_devices: list) -> Rollout:
-    """Split along envs (axis 1 of every field; padded where they do not split evenly), one transfer per leaf and
-    learner device, and assemble the global sharded arrays."""
-    shards = learner_shards(args, rollout.env_ids[0], len(local_learner_devices))
-
-    def put(name: str, x: np.ndarray):
-        parts = []
-        for (envs, pad_ids), device in zip(shards, local_learner_devices):
-            part = x[:, envs]
-            if len(pad_ids):  # pad envs: their ids, and zeros elsewhere (valid False); no copy where none is needed
-                pad = (
-                    pad_ids[None] if name == "env_ids" else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]), x.dtype)
-                )
-                part = np.concatenate([part, pad], axis=1)
-            parts.append(jax.device_put(part, device))
-        global_shape = (x.shape[0], parts[0].shape[1] * mesh.size, *x.shape[2:])  # the same width on every device
-        return jax.make_array_from_single_device_arrays(global_shape, NamedSharding(mesh, P(None, "learner")), parts)
-
-    return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
-
-
-def rollout_actor(
-    args: Args,
-    start_iteration: int,
-    thread_index: int,
-    device,
-    mesh: Mesh,
-    local_learner_devices: list,
-    policy,
-    param_queue: queue.Queue,
-    rollout_queue: queue.Queue,
-    stop: Stop,
-):
+@plumbing.stops_run_on_error  # an error in an actor thread stops the run; the main thread reports it
+def rollout_actor(args, start_iteration, thread_index, device, mesh, policy, param_queue, rollout_queue, stop):
     """Thread body: for each iteration, take the params the learner queued for it, play num_steps steps of its envs,
     queue the rollout. How far behind the learner it runs is decided by the learner alone (train)."""
     first_env = thread_index * args.local_num_envs  # global env indices, the same on every layout
@@ -622,7 +529,7 @@ def rollout_actor(
             clock.lap("param_queue_wait")
             fields = rollout_fields(args, next_obs.shape[1:], next_obs.dtype)
             storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in fields])._replace(env_ids=env_ids[None])
-            finished_returns, finished_lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)
+            returns, lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)  # of the games that end, at their end
             for t in range(T):
                 storage.obs[t] = next_obs
                 clock.lap("storage")
@@ -646,26 +553,59 @@ def rollout_actor(
                 episode_returns += info.get("reward", reward)
                 episode_lengths += storage.valid[t]
                 game_over = info.get("terminated", terminated).astype(bool) | truncated
-                finished_returns[t, game_over] = episode_returns[game_over]
-                finished_lengths[t, game_over] = episode_lengths[game_over]
+                returns[t, game_over], lengths[t, game_over] = episode_returns[game_over], episode_lengths[game_over]
                 episode_returns[game_over], episode_lengths[game_over] = 0.0, 0
                 clock.lap("storage")
             storage.obs[T] = next_obs
-            rollout = put_on_learners(args, storage, mesh, local_learner_devices)
+            rollout = put_on_learners(args, storage, mesh)
             clock.lap("host_to_device")
-            param_queue_wait = clock.sums.pop("param_queue_wait")
+            waited, timings = clock.sums.pop("param_queue_wait"), clock.sums
             rollout_info = RolloutInfo(
-                policy_version,
-                param_queue_wait,
-                time.time(),
-                sum(clock.sums.values()),
-                finished_returns,
-                finished_lengths,
-                clock.sums,
+                policy_version, waited, time.time(), sum(timings.values()), returns, lengths, timings
             )
             queue_put(rollout_queue, (rollout, rollout_info), stop)
     finally:
         envs.close()
+
+
+# ---- Learner: each actor thread's rollout split over the learner devices, and the update of all of them
+
+
+def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
+    """For each local learner device, the slice of one actor thread's envs it gets and the ids of the masked pad envs
+    that fill it up to whole blocks of the algorithm's groups (cleanba/reductions.py)."""
+    return split_envs(env_ids, num_devices, *env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS))
+
+
+def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh) -> Rollout:
+    """Split along envs (axis 1 of every field; padded where they do not split evenly), one transfer per leaf and
+    learner device of this process, and assemble the global sharded arrays."""
+    shards = learner_shards(args, rollout.env_ids[0], len(mesh.local_devices))
+
+    def put(name: str, x: np.ndarray):
+        parts = []
+        for (envs, pad_ids), device in zip(shards, mesh.local_devices):
+            part = x[:, envs]
+            if len(pad_ids):  # pad envs: their ids, and zeros elsewhere (valid False); no copy where none is needed
+                pad = (
+                    pad_ids[None] if name == "env_ids" else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]), x.dtype)
+                )
+                part = np.concatenate([part, pad], axis=1)
+            parts.append(jax.device_put(part, device))
+        global_shape = (x.shape[0], parts[0].shape[1] * mesh.size, *x.shape[2:])  # the same width on every device
+        return jax.make_array_from_single_device_arrays(global_shape, NamedSharding(mesh, P(None, "learner")), parts)
+
+    return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
+
+
+def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh) -> Rollout:
+    """One actor thread's rollout as put_on_learners hands it to the learner (padded, sharded): shapes only."""
+    envs = learner_shards(args, np.arange(args.local_num_envs), len(args.learner_device_ids))[0][0]
+    width = (envs.stop - envs.start) * mesh.size  # every learner device of every process holds the same width
+    sharding = NamedSharding(mesh, P(None, "learner"))
+    return Rollout(
+        *[jax.ShapeDtypeStruct((shape[0], width, *shape[2:]), dtype, sharding=sharding) for shape, dtype in fields]
+    )
 
 
 def learner_update(agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
@@ -700,9 +640,9 @@ def compile_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, state: Tr
     return make_learner_update(agent, args, shuffle_key, mesh, len(rollouts)).lower(state, rollouts).compile()
 
 
-def make_agent(args: Args, mesh: Mesh):
-    """The network, its initial train state replicated over the learner devices, and the action and shuffle keys."""
-    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
+def make_agent(args: Args, spec, mesh: Mesh):
+    """The network, its initial train state replicated over the learner devices, and the action and shuffle keys.
+    spec: the envs' (envpool.make_spec)."""
     agent = make_network(args, spec.action_space.n, mesh.devices.flat[0].platform)
     init_key, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
     state = initial_state(agent, args, spec.observation_space, init_key)
@@ -715,142 +655,91 @@ def initial_state(agent, args: Args, observation_space, init_key) -> TrainState:
     return state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
 
 
-def make_process_gather(mesh: Mesh, local_learner_devices: list):
-    """x of every process, stacked in process order, through the learner devices (an actor's device may be busy
-    with inference: no collective runs there). For the episodes of all processes' envs, on every process."""
-    replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+# ---- Run: start sets up devices, state, the compiled update, queues and actor threads; train is the learner's loop
 
-    def gather(x: np.ndarray) -> np.ndarray:
-        parts = [jax.device_put(x[None], device) for device in local_learner_devices]
-        stacked = jax.make_array_from_single_device_arrays(
-            (mesh.size, *x.shape), NamedSharding(mesh, P("learner")), parts
-        )
-        return np.asarray(first_replica(replicate(stacked)))[:: len(local_learner_devices)]
 
-    return gather
+class Run:
+    """What start() sets up for train() and stop_run()."""
+
+    args: Args
+    stop: Stop  # set to stop every thread; it keeps why (a signal, an error)
+    run_dir: Path  # runs/<run_name>: logs, checkpoint, model
+    checkpoint_path: Path
+    mesh: Mesh  # the learner devices of all processes
+    state: TrainState  # replicated over the mesh
+    completed: int  # the last iteration whose update is in `state`
+    start_iteration: int  # the first iteration of this run (after a resumed checkpoint's)
+    update: jax.stages.Compiled  # the learner update: (state, one rollout per actor thread) -> (state, metrics)
+    logger: plumbing.IterationLogger | None = None  # process 0's logs (None on the others)
+    param_queues: list  # per actor thread, size 1: the params of its next rollout
+    rollout_queues: list  # per actor thread, size 1: its last rollout
+    threads: list  # the actor threads, started by train
+    model_path: Path | None = None  # set once the trained model is saved
 
 
 def initialize_distributed(args: Args):
     """jax.distributed.initialize, with every local device the flags name visible to this process."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-    # Without local_device_ids, JAX under srun makes only GPU number SLURM_LOCALID visible to each process ("single
-    # process per device", jax/_src/clusters/cluster.py): a task given 4 GPUs would see one. Device ids are
-    # positions in jax.local_devices(), so all ids up to the highest one used; JAX_LOCAL_DEVICE_IDS overrides.
-    local_device_ids = None
-    if "JAX_LOCAL_DEVICE_IDS" not in os.environ:
-        local_device_ids = list(range(max(args.actor_device_ids + args.learner_device_ids) + 1))
     jax.distributed.initialize(
         args.coordinator_address,
         args.num_processes,
         args.process_id,
-        local_device_ids=local_device_ids,
+        local_device_ids=plumbing.local_device_ids(args),
         heartbeat_timeout_seconds=args.heartbeat_timeout,
     )
-    print(
-        f"rank {jax.process_index()} of {jax.process_count()}: GPUs visible to JAX (jax_cuda_visible_devices) "
-        f"{jax.config.read('jax_cuda_visible_devices')}",
-        flush=True,
-    )
-
-
-class Run:
-    """What start() sets up for train() and finish(): devices, state, compiled update, queues, threads, logger."""
-
-    completed: int  # the last iteration whose update is in `state`
-    model_path: Path | None = None  # set once the trained model is saved
+    plumbing.print_rank()
 
 
 def start(args: Args) -> Run:
     """Everything before the first iteration, in the order that lets bad input fail before any thread starts."""
-    # Deterministic GPU kernels (no atomics in scatter-adds and reductions, no timing-dependent autotuning): on an
-    # accelerator, what --exact needs besides its fixed order of sums. XLA reads it when the backend starts.
-    if args.exact:
+    if args.exact:  # deterministic GPU kernels: what --exact needs besides its order of sums (read as XLA starts)
         add_xla_flags("--xla_gpu_deterministic_ops=true")
     if args.distributed:  # before anything touches a device
         initialize_distributed(args)
-    check_devices(args, len(jax.local_devices()))
+    plumbing.check_devices(args, len(jax.local_devices()))
     fill_runtime_sizes(args, jax.process_count(), jax.process_index())
     run = Run()
     run.args, run.stop = args, Stop()
-    local_devices = jax.local_devices()
-    actor_devices = [local_devices[i] for i in args.actor_device_ids]
-    run.local_learner_devices = [local_devices[i] for i in args.learner_device_ids]
-    learner_devices = [
-        jax.local_devices(process_index=p)[i] for p in range(args.world_size) for i in args.learner_device_ids
-    ]
-    mesh = Mesh(np.array(learner_devices), ("learner",))
-    run_name = args.run_name or default_run_name(args)
-    run.run_dir = Path("runs") / run_name
+    run.run_dir = Path("runs") / (args.run_name or plumbing.default_run_name(args))
     run.checkpoint_path = run.run_dir / "checkpoint.msgpack"
-    resume = resume_requested(args, run.checkpoint_path)
+    learners = [jax.local_devices(process_index=p)[i] for p in range(args.world_size) for i in args.learner_device_ids]
+    run.mesh = Mesh(np.array(learners), ("learner",))
 
-    agent, run.state, action_key, shuffle_key = make_agent(args, mesh)
+    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
+    agent, state, action_key, shuffle_key = make_agent(args, spec, run.mesh)
     if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
         from cleanba.evaluate import check_network
 
-        check_network(sys.modules[__name__], args, first_replica(run.state.params))
-    run.completed, run.episode_window = 0, None
-    if resume:
-        from cleanba.checkpoint import resume_checkpoint  # optional file I/O, imported only when used
-
-        run.completed, restored, run.episode_window = resume_checkpoint(run.checkpoint_path, args, run.state)
-        run.state = jax.device_put(restored, NamedSharding(mesh, P()))
+        check_network(sys.modules[__name__], args, first_replica(state.params))
+    # With --resume or in a requeued SLURM job: the iteration and train state of the checkpoint (else 0 and state).
+    run.completed, run.state, episode_window = checkpoint.resume(args, run.checkpoint_path, state)
     run.start_iteration = run.completed + 1
 
-    num_slots = len(actor_devices) * args.num_actor_threads
-    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
     fields = rollout_fields(args, spec.observation_space.shape, spec.observation_space.dtype)
-    rollouts = (learner_rollout_shapes(args, fields, mesh, len(run.local_learner_devices)),) * num_slots
+    rollouts = (learner_rollout_shapes(args, fields, run.mesh),) * plumbing.actor_threads(args)
+    compile_update = partial(compile_learner_update, agent, shuffle_key=shuffle_key, mesh=run.mesh, state=run.state)
     compile_start = time.time()
-    run.update = compile_learner_update(agent, args, shuffle_key, mesh, run.state, rollouts)
+    run.update = compile_update(args, rollouts=rollouts)
     compile_time = time.time() - compile_start
     if args.memory_check:  # refuse a learner that cannot fit in memory, before training
+        plumbing.check_learner_memory(args, run.update, partial(compile_update, rollouts=rollouts), rollouts, fields)
 
-        def compile_with_accumulation(steps: int):
-            other = replace(args, gradient_accumulation_steps=steps)
-            return compile_learner_update(agent, other, shuffle_key, mesh, run.state, rollouts)
-
-        check_learner_memory(run.update, compile_with_accumulation, rollouts, fields, run.local_learner_devices, args)
-
-    run.logger = None  # only process 0 writes logs, checkpoints and the model
-    if args.process_index == 0:
-        purge_step = run.completed * args.batch_size + 1 if resume else None  # drop logs after it
-        run.logger = IterationLogger(args, run_name, run.run_dir, purge_step, run.episode_window, compile_time)
-        shards = learner_shards(args, np.arange(args.local_num_envs), len(run.local_learner_devices))
-        block = env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS)[1]
-        print_start(args, run_name, run.run_dir, len(learner_devices), sum(len(pad) for _, pad in shards), block)
+    if args.process_index == 0:  # only process 0 writes logs, checkpoints and the model
+        purge_step = run.completed * args.batch_size + 1 if run.completed else None  # resumed: drop later logs
+        run.logger = plumbing.IterationLogger(args, run.run_dir, purge_step, episode_window, compile_time)
+        plumbing.print_start(args, run.run_dir, env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS))
 
     policy = make_policy(args, agent, action_key)
-    run.process_gather = make_process_gather(mesh, run.local_learner_devices)
-    run.param_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
-    run.rollout_queues = [queue.Queue(maxsize=1) for _ in range(num_slots)]
+    devices = [jax.local_devices()[i] for i in args.actor_device_ids for _ in range(args.num_actor_threads)]
+    run.param_queues = [queue.Queue(maxsize=1) for _ in devices]
+    run.rollout_queues = [queue.Queue(maxsize=1) for _ in devices]
     run.threads = []
-    for d, device in enumerate(actor_devices):
-        for t in range(args.num_actor_threads):
-            slot = d * args.num_actor_threads + t
-            thread_index = args.process_index * num_slots + slot
-            run.threads.append(
-                threading.Thread(
-                    target=run_thread,
-                    daemon=True,
-                    name=f"actor-{thread_index}",
-                    args=(
-                        rollout_actor,
-                        run.stop,
-                        args,
-                        run.start_iteration,
-                        thread_index,
-                        device,
-                        mesh,
-                        run.local_learner_devices,
-                        policy,
-                        run.param_queues[slot],
-                        run.rollout_queues[slot],
-                    ),
-                )
-            )
-
-    handle_signals(run.stop, args.distributed)
+    for slot, device in enumerate(devices):
+        index = args.process_index * len(devices) + slot  # over all processes: its envs are the same on any layout
+        queues = run.param_queues[slot], run.rollout_queues[slot]
+        actor_args = (args, run.start_iteration, index, device, run.mesh, policy, *queues, run.stop)
+        run.threads.append(threading.Thread(target=rollout_actor, args=actor_args, name=f"actor-{index}", daemon=True))
+    plumbing.handle_signals(run.stop, args.distributed)
     return run
 
 
@@ -863,18 +752,8 @@ def put_params(run: Run):
 def train(run: Run):
     """The learner's loop, from run.start_iteration to the end or a stop; the model saved at the end."""
     args, stop = run.args, run.stop
-    if run.start_iteration > args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
-        print(
-            f"rank {args.process_index}: nothing to train, the checkpoint is of the last iteration "
-            f"({args.num_iterations})",
-            flush=True,
-        )
     # Before the first puts: each waits for an actor to take the previous one, so a stuck actor would stop them.
-    last_progress = [time.time()]
-    if args.stall_timeout:
-        threading.Thread(
-            target=watch_progress, args=(last_progress, args.stall_timeout, stop), daemon=True, name="watchdog"
-        ).start()
+    last_progress = plumbing.start_watchdog(args.stall_timeout, stop)
     for thread in run.threads:
         thread.start()
     # The one-step lag (paper, section 4), stated here only: rollout i is collected with the params of update
@@ -884,6 +763,7 @@ def train(run: Run):
     lag = int(args.concurrency)
     for _ in range(run.start_iteration, min(run.start_iteration + lag, args.num_iterations) + 1):
         put_params(run)  # the starting params of rollouts start_iteration .. start_iteration + lag
+    process_gather = plumbing.make_process_gather(run.mesh)
     taken = [None] * len(run.rollout_queues)  # when the learner took each actor's last rollout
     for iteration in range(run.start_iteration, args.num_iterations + 1):
         start_time = time.time()
@@ -904,13 +784,11 @@ def train(run: Run):
         if iteration + 1 + lag <= args.num_iterations:  # the params of rollout iteration + 1 + lag
             put_params(run)
         # The games that ended, in global env order (actor slots, then processes): every process takes part.
-        episodes = np.concatenate([np.stack([info.episode_returns, info.episode_lengths]) for info in infos], axis=2)
-        if args.world_size > 1:
-            episodes = np.concatenate(list(run.process_gather(episodes)), axis=2)
+        episodes = process_gather(np.concatenate([np.stack([i.episode_returns, i.episode_lengths]) for i in infos], 2))
         if run.logger is not None:
             run.logger.log(iteration, infos, episodes, rollout_queue_wait, learner_update_time, run.state, metrics)
             if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
-                save_checkpoint(run)
+                checkpoint.save_run_checkpoint(run)
         # All processes see a SIGTERM (e.g. SLURM preemption) at the same iteration and stop together.
         if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
             stop.signals.append(signal.SIGTERM)
@@ -919,38 +797,17 @@ def train(run: Run):
             raise StopTraining
     print(f"rank {args.process_index}: final params sha256 {digest(first_replica(run.state.params))}", flush=True)
     if args.save_model and run.logger is not None:
-        from cleanba import checkpoint
-
-        run.model_path = run.run_dir / f"{args.exp_name}.cleanba_model"
-        checkpoint.save_model(run.model_path, Path(__file__).name, asdict(args), host(run.state.params))
-        print(f"model saved to {run.model_path}", flush=True)
-
-
-def save_checkpoint(run: Run):
-    from cleanba import checkpoint  # optional file I/O, imported only when used
-
-    checkpoint.save_checkpoint(
-        run.checkpoint_path, asdict(run.args), host(run.state), run.completed, run.logger.episode_window()
-    )
+        run.model_path = checkpoint.save_trained_model(run, Path(__file__).name)
 
 
 def stop_run(run: Run):
     """After train, however it ended: every actor thread joined, a checkpoint when a signal stopped the run, and the
     barrier of all processes (before process 0 evaluates, so that none waits for it)."""
     run.stop.set()
-    for thread in run.threads:
-        if thread.ident is not None:  # started
-            thread.join(timeout=30)
-    if any(thread.is_alive() for thread in run.threads):
-        print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
-    stopped_by_signal = run.stop.signals and not run.stop.errors
-    if (
-        stopped_by_signal
-        and run.logger is not None
-        and run.args.checkpoint_frequency
-        and run.completed >= run.start_iteration
-    ):
-        save_checkpoint(run)
+    plumbing.join_threads(run.threads)
+    signalled = run.stop.signals and not run.stop.errors and run.completed >= run.start_iteration
+    if signalled and run.logger is not None and run.args.checkpoint_frequency:
+        checkpoint.save_run_checkpoint(run)
         print(f"checkpoint of iteration {run.completed} saved to {run.checkpoint_path}", flush=True)
     if run.logger is not None:
         run.logger.writer.flush()
@@ -964,25 +821,11 @@ def finish(run: Run):
         if run.model_path is not None and run.args.eval_episodes and not run.stop.signals:
             from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
 
-            evaluate_after_training(
-                sys.modules[__name__],
-                Path(__file__),
-                run.args,
-                run.model_path,
-                run.logger.writer,
-                run.run_dir,
-                interrupted=lambda: bool(run.stop.signals),
-            )
+            evaluate_after_training(sys.modules[__name__], run)
     finally:
         if run.logger is not None:
             run.logger.close()
-    if run.stop.errors:
-        traceback.print_exception(run.stop.errors[0])
-        print(f"an actor thread failed ({type(run.stop.errors[0]).__name__}); the run stopped", file=sys.stderr)
-        sys.exit(1)
-    if run.stop.signals:
-        print(f"stopped by signal {run.stop.signals[0]} after iteration {run.completed}", file=sys.stderr)
-        sys.exit(128 + run.stop.signals[0])
+    plumbing.exit_status(run.stop, run.completed)
 
 
 def main(args: Args):

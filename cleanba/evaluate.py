@@ -330,26 +330,29 @@ def upload(
     return repo_id
 
 
-def evaluate_after_training(
-    module, script_path: Path, args, model_path: Path, writer, run_dir: Path, interrupted=lambda: False
-):
-    """The end of a --save-model run: evaluate the saved params, log eval/episodic_return, record, upload."""
-    start = time.time()
-    params = load_model(model_path)[1]  # what the file holds: the round trip is part of what is evaluated
-    video_dir = run_dir / "videos" if args.capture_video else None
+def evaluate_after_training(module, run):
+    """The end of a --save-model run (run: the training script's Run): evaluate the saved params, log
+    eval/episodic_return, record, upload. A signal (run.stop) interrupts it."""
+    start, args = time.time(), run.args
+    params = load_model(run.model_path)[1]  # what the file holds: the round trip is part of what is evaluated
+    video_dir = run.run_dir / "videos" if args.capture_video else None
+
+    def interrupted() -> bool:
+        return bool(run.stop.signals)
+
     returns, lengths, videos = evaluate(
         module, args, params, args.eval_episodes, video_dir=video_dir, interrupted=interrupted
     )
     if interrupted():
         return
-    log_returns(writer, returns)
+    log_returns(run.logger.writer, returns)
     print(
         f"evaluation: {summary(returns)} ({time.time() - start:.0f} s)"
         + (f", videos in {video_dir}" if videos else ""),
         flush=True,
     )
     if args.upload_model:
-        upload(model_path, script_path, asdict(args), returns, lengths, videos, args.hf_repo_id)
+        upload(run.model_path, Path(module.__file__), asdict(args), returns, lengths, videos, args.hf_repo_id)
 
 
 def main(args: Args):

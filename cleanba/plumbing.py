@@ -4,8 +4,9 @@ changes what it learns or how data moves between actors and learner.
 - refusing bad flags before anything starts (the scripts add their own algorithm's checks);
 - run names, checksums of params, the stall watchdog;
 - where an actor's rollout time goes (Stopwatch) and what the learner logs (IterationLogger, docs/metrics.md);
-- a run's start-up and shut-down around its queues and threads: whether it resumes, the learner's memory check, the
-  start line, the stop flag and the queue waits that see it (Stop, queue_get, queue_put, run_thread), signals.
+- a run's start-up and shut-down around its queues and threads: the devices a process sees, the learner's memory
+  check, the start line, the stop flag and the queue waits that see it (Stop, queue_get, queue_put), errors in threads
+  (stops_run_on_error), signals, the gather of the episodes of all processes, the exit status.
 
 A fork changes the algorithm in its own file and rarely needs to read this one.
 """
@@ -19,17 +20,23 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, field, fields
+from dataclasses import asdict, field, fields, replace
 from functools import partial
 from importlib.metadata import version
 from pathlib import Path
+from traceback import print_exception
 
 import envpool
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tensorboardX import SummaryWriter
+
+from cleanba.reductions import split_envs
+from cleanba.startup import memory_fraction
 
 
 def fail(message: str):
@@ -121,6 +128,11 @@ def check_hub_login():
         )
 
 
+def actor_threads(args) -> int:
+    """The actor threads of one process: --num-actor-threads on each of its --actor-device-ids."""
+    return len(args.actor_device_ids) * args.num_actor_threads
+
+
 def check_devices(args, num_local_devices: int):
     for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
         if max(ids) >= num_local_devices:
@@ -168,8 +180,8 @@ def device_memory_available(device) -> tuple | None:
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
-    fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION", os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-    return stats["bytes_limit"], f"{device.device_kind} {device.id}'s allocator limit (memory fraction {fraction})"
+    limit = f"{device.device_kind} {device.id}'s allocator limit (memory fraction {memory_fraction()})"
+    return stats["bytes_limit"], limit
 
 
 def learner_memory_needs(analysis, queued_rollout_bytes: int) -> dict:
@@ -272,6 +284,16 @@ def params_checksum(params):
     return (total ^ (total >> 24)) & 0xFFFFFF
 
 
+def start_watchdog(timeout: float, stop) -> list:
+    """[time.time() of the last progress], for the learner to update. With a timeout (--stall-timeout; 0: none), a
+    thread aborts the run when no progress is made for that long."""
+    last_progress = [time.time()]
+    if timeout:
+        thread_args = (last_progress, timeout, stop)
+        threading.Thread(target=watch_progress, args=thread_args, daemon=True, name="watchdog").start()
+    return last_progress
+
+
 def watch_progress(last_progress: list, timeout: float, stop):
     """JAX does not detect a peer that is alive but stuck (e.g. in a collective): abort instead of hanging."""
     while not stop.wait(1.0):
@@ -311,7 +333,7 @@ class IterationLogger:
     saved (episode_window). compile_time, the seconds the learner update took to compile ahead of time, is logged
     once, as stats/learner_compile_time at the first iteration this process logs."""
 
-    def __init__(self, args, run_name: str, run_dir: Path, purge_step=None, episode_window=None, compile_time=None):
+    def __init__(self, args, run_dir: Path, purge_step=None, episode_window=None, compile_time=None):
         if args.track:
             import wandb
 
@@ -320,8 +342,8 @@ class IterationLogger:
                 entity=args.wandb_entity,
                 sync_tensorboard=True,
                 config=asdict(args),
-                name=run_name,
-                id=run_name,
+                name=run_dir.name,
+                id=run_dir.name,
                 resume="allow",
                 save_code=True,
             )
@@ -413,38 +435,50 @@ class IterationLogger:
 # ---- Start-up and shut-down of a run (the scripts' start, train and stop_run call these)
 
 
-def resume_requested(args, checkpoint_path: Path) -> bool:
-    """Whether this run resumes from its checkpoint: --resume, or a requeued SLURM job (SLURM_RESTART_COUNT counts
-    the requeues) whose run saved one."""
-    resume = args.resume or (int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0 and checkpoint_path.exists())
-    if resume and not checkpoint_path.exists():
-        fail(
-            f"--resume: no checkpoint at {checkpoint_path}; give the --run-name of a run that saved one "
-            f"(--checkpoint-frequency)"
-        )
-    return resume
+def local_device_ids(args) -> list | None:
+    """The local device ids for jax.distributed.initialize: all up to the highest one the flags use. Without them,
+    JAX under srun makes only GPU number SLURM_LOCALID visible to each process ("single process per device",
+    jax/_src/clusters/cluster.py): a task given 4 GPUs would see one. JAX_LOCAL_DEVICE_IDS overrides (None)."""
+    if "JAX_LOCAL_DEVICE_IDS" in os.environ:
+        return None
+    return list(range(max(args.actor_device_ids + args.learner_device_ids) + 1))
 
 
-def check_learner_memory(update, compile_with_accumulation, rollouts: tuple, fields, learner_devices: list, args):
+def print_rank():
+    """After jax.distributed.initialize, on every process: which GPUs JAX was told to make visible."""
+    print(
+        f"rank {jax.process_index()} of {jax.process_count()}: GPUs visible to JAX (jax_cuda_visible_devices) "
+        f"{jax.config.read('jax_cuda_visible_devices')}",
+        flush=True,
+    )
+
+
+def check_learner_memory(args, update, compile_update, rollouts: tuple, fields):
     """Refuse a learner that cannot fit in memory, before training (check_memory). update: the compiled learner
-    update; compile_with_accumulation(steps): the same with --gradient-accumulation-steps=steps, for the advice."""
+    update; compile_update(args): the same for other args, tried with more --gradient-accumulation-steps for the
+    advice. rollouts: the update's rollout shapes (one per actor thread); fields: one actor thread's host storage."""
+    learner_devices = [jax.local_devices()[i] for i in args.learner_device_ids]
     mesh_size = args.world_size * len(learner_devices)
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh_size
     host_storage = len(rollouts) * sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields)
 
     def accumulation_needs(steps: int) -> dict:
-        return learner_memory_needs(compile_with_accumulation(steps).memory_analysis(), queued)
+        other = compile_update(replace(args, gradient_accumulation_steps=steps))
+        return learner_memory_needs(other.memory_analysis(), queued)
 
     needs = learner_memory_needs(update.memory_analysis(), queued)
     check_memory(needs, learner_devices, host_storage, accumulation_needs, args.gradient_accumulation_steps)
 
 
-def print_start(args, run_name: str, run_dir: Path, num_learner_devices: int, pads: int, block: int):
+def print_start(args, run_dir: Path, blocks: tuple):
     """The start line of a run (process 0): its sizes, devices, logs and versions; with --exact, where its bits hold.
-    pads: the masked pad envs per actor thread; block: the envs of a block of groups (reductions.env_blocks)."""
+    blocks: (classes, block) of reductions.env_blocks, how the learner devices split an actor thread's envs."""
+    block, num_learner_devices = blocks[1], args.world_size * len(args.learner_device_ids)
+    shards = split_envs(np.arange(args.local_num_envs), len(args.learner_device_ids), *blocks)
+    pads = sum(len(pad_ids) for _, pad_ids in shards)  # masked pad envs per actor thread
     padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
     print(
-        f"{run_name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
+        f"{run_dir.name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
         f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
         f"{num_learner_devices} device(s){padding}, logs in {run_dir}; jax {jax.__version__} (jaxlib "
         f"{version('jaxlib')}), XLA_FLAGS: {os.environ.get('XLA_FLAGS') or 'none'}",
@@ -496,15 +530,20 @@ def queue_put(q: queue.Queue, item, stop: Stop):
                 raise StopTraining from None
 
 
-def run_thread(target, stop: Stop, *thread_args):
-    """Thread body: any error stops the whole run and is re-raised by the main thread."""
-    try:
-        target(*thread_args, stop)
-    except StopTraining:
-        pass
-    except BaseException as error:
-        stop.errors.append(error)
-        stop.set()
+def stops_run_on_error(body):
+    """A thread's body whose last argument is the run's Stop: an error in it stops the whole run, and the main thread
+    reports it (exit_status); StopTraining just ends the thread."""
+
+    def thread(*thread_args):
+        try:
+            body(*thread_args)
+        except StopTraining:
+            pass
+        except BaseException as error:
+            thread_args[-1].errors.append(error)
+            thread_args[-1].set()
+
+    return thread
 
 
 def handle_signals(stop: Stop, distributed: bool):
@@ -520,3 +559,41 @@ def handle_signals(stop: Stop, distributed: bool):
     signal.signal(signal.SIGINT, on_signal)
     if not distributed:  # JAX's notifier already holds SIGTERM
         signal.signal(signal.SIGTERM, on_signal)
+
+
+def make_process_gather(mesh):
+    """x (..., envs) of every process, concatenated along the envs in process order, through the learner devices
+    (an actor's device may be busy with inference: no collective runs there). For the episodes of all processes'
+    envs, on every process; x itself where there is one process."""
+    if jax.process_count() == 1:
+        return lambda x: x
+    replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+    local_devices = mesh.local_devices
+
+    def gather(x: np.ndarray) -> np.ndarray:
+        parts = [jax.device_put(x[None], device) for device in local_devices]
+        stacked = jax.make_array_from_single_device_arrays(
+            (mesh.size, *x.shape), NamedSharding(mesh, P("learner")), parts
+        )
+        return np.concatenate(list(np.asarray(first_replica(replicate(stacked)))[:: len(local_devices)]), axis=-1)
+
+    return gather
+
+
+def join_threads(threads: list):
+    for thread in threads:
+        if thread.ident is not None:  # started
+            thread.join(timeout=30)
+    if any(thread.is_alive() for thread in threads):
+        print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
+
+
+def exit_status(stop: Stop, completed: int):
+    """The end of a run that stopped early: the error of a thread (exit status 1) or the signal (128 + it)."""
+    if stop.errors:
+        print_exception(stop.errors[0])
+        print(f"an actor thread failed ({type(stop.errors[0]).__name__}); the run stopped", file=sys.stderr)
+        sys.exit(1)
+    if stop.signals:
+        print(f"stopped by signal {stop.signals[0]} after iteration {completed}", file=sys.stderr)
+        sys.exit(128 + stop.signals[0])

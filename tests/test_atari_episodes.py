@@ -6,6 +6,7 @@ import importlib
 import queue
 import threading
 
+import envpool
 import jax
 import numpy as np
 import pytest
@@ -45,26 +46,16 @@ def actor_rollouts(script: str, protocol: str, iterations: int):
     module.fill_runtime_sizes(args, 1, 0)
     device = jax.local_devices()[0]
     mesh = Mesh(np.array([device]), ("learner",))
-    agent, state, action_key, _ = module.make_agent(args, mesh)
+    spec = envpool.make_spec(args.env_id, **module.env_kwargs(args))
+    agent, state, action_key, _ = module.make_agent(args, spec, mesh)
     params = module.first_replica(state.params)
     param_queue, rollout_queue = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
     stop = module.Stop()
+    policy = module.make_policy(args, agent, action_key)
     thread = threading.Thread(
-        target=module.run_thread,
+        target=module.rollout_actor,
         daemon=True,
-        args=(
-            module.rollout_actor,
-            stop,
-            args,
-            1,
-            0,
-            device,
-            mesh,
-            [device],
-            module.make_policy(args, agent, action_key),
-            param_queue,
-            rollout_queue,
-        ),
+        args=(args, 1, 0, device, mesh, policy, param_queue, rollout_queue, stop),
     )
     thread.start()
     rollouts = []

@@ -275,7 +275,7 @@ def test_logger_starts_from_the_saved_window(tmp_path):
 
     args = Args()
     saved = {"returns": np.arange(20.0), "lengths": np.arange(20.0) * 10}
-    logger = IterationLogger(args, "window", tmp_path, purge_step=None, episode_window=saved)
+    logger = IterationLogger(args, tmp_path / "window", purge_step=None, episode_window=saved)
     logger.recent_returns.extend([100.0, 101.0])  # two more games: the two oldest leave the window
     logger.recent_lengths.extend([1000.0, 1010.0])
     window = logger.episode_window()
