@@ -230,9 +230,14 @@ def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulati
     )
     if fits:
         return
-    fixes = []
-    steps = current_accumulation * 2
-    while steps <= 64 * current_accumulation and not fixes:
+    # Each try compiles the update. Temporaries shrink at most in proportion to the micro-batches (the rest of the
+    # update stays), so fewer steps than that bound cannot fit and the tries start at it; none fits where the
+    # temporaries are less than the shortfall.
+    fixes, steps, shortfall = [], current_accumulation * 2, needed - available
+    temporaries = needed - memory_shortfall(dict(needs, temporaries=0), learner_devices, host_bytes)[0]
+    while temporaries > shortfall and steps < current_accumulation * temporaries / (temporaries - shortfall):
+        steps *= 2
+    while temporaries > shortfall and steps <= 64 * current_accumulation and not fixes:
         try:
             other = accumulation_needs(steps)
         except (ValueError, TypeError):  # micro-batches that do not split this rollout evenly
