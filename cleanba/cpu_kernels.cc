@@ -42,7 +42,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;  // one AVX-512 register of float32; GCC splits it on narrower machines
+// One vector register of float32, and how many of them: the tiles below keep their accumulators in registers (on
+// an AVX2 machine, AVX-512-sized tiles spilled them to memory and ran 10x slower than XLA's own convolutions). The
+// lane count and tiles change no result: each output's sum runs in the same order whatever the tile.
+#ifdef __AVX512F__
+constexpr int kLanes = 16, kRegisters = 32;
+#else
+constexpr int kLanes = 8, kRegisters = 16;  // AVX2 (GCC splits the vectors further on older machines)
+#endif
+constexpr int kAccumulators = kRegisters * 3 / 4;  // the rest: the loaded vectors and a broadcast input
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 struct Shape {
@@ -101,12 +109,13 @@ void Tile(const Shape& s, const float* xp, const float* dp, int64_t samples, int
 using TileFn = void (*)(const Shape&, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
                         float*);
 
-// The largest tile that fits: about 24 vector registers of accumulators, each dy vector loaded once for all taps
-// and channels of the tile. Tiles of 1 to 3 taps, 1 or 2 vectors of dy, 1 to 8 channels.
+// The largest tile that fits: at most kAccumulators vector registers of accumulators, each dy vector loaded once
+// for all taps and channels of the tile. Tiles of 1 to 3 taps, 1 or 2 vectors of dy, 1 to 8 channels.
 template <int KT>
 TileFn Pick(int64_t channels_left, bool two_vectors, int* ct) {
-  constexpr int wide = KT == 1 ? 8 : 4;  // channels per tile with two vectors (KT x CT x 2 <= 24)
-  constexpr int narrow = 8;               // with one (KT x CT <= 24)
+  // channels per tile with two vectors (KT x CT x 2 accumulators), and with one (KT x CT)
+  constexpr int wide = KT * 8 * 2 <= kAccumulators ? 8 : KT * 4 * 2 <= kAccumulators ? 4 : 2;
+  constexpr int narrow = KT * 8 <= kAccumulators ? 8 : 4;
   *ct = two_vectors ? (channels_left >= wide ? wide : channels_left >= 2 ? 2 : 1)
                     : (channels_left >= narrow ? narrow : channels_left >= 4 ? 4 : channels_left >= 2 ? 2 : 1);
   if (two_vectors) return *ct == wide ? Tile<wide, 2, KT> : *ct == 2 ? Tile<2, 2, KT> : Tile<1, 2, KT>;
@@ -267,11 +276,11 @@ void ForwardTile(const Shape& s, const float* xp, const float* kp, int64_t n, in
     }
 }
 
-// Row r of sample n: tiles of 28 pixels x 1 vector or 12 x 2 (at most 28 accumulators and the kernel's vectors in
-// the 32 registers of AVX-512), then smaller ones for the rest of the row.
+// Row r of sample n: tiles of 28 pixels x 1 vector or 12 x 2 with AVX-512's 32 registers (12 x 1 or 6 x 2 with
+// AVX2's 16), the accumulators and the kernel's vectors in registers, then smaller ones for the rest of the row.
 template <int NV, int CI>
 void ForwardRow(const Shape& s, const float* xp, const float* kp, int64_t n, int64_t r, int64_t v0, float* y) {
-  constexpr int wide = NV == 1 ? 28 : 12, half = NV == 1 ? 14 : 7;
+  constexpr int wide = kRegisters == 32 ? (NV == 1 ? 28 : 12) : (NV == 1 ? 12 : 6), half = wide / 2;
   int64_t q = 0;
   for (; q + wide <= s.ow; q += wide) ForwardTile<wide, NV, CI>(s, xp, kp, n, r, q, v0, y);
   for (; q + half <= s.ow; q += half) ForwardTile<half, NV, CI>(s, xp, kp, n, r, q, v0, y);
