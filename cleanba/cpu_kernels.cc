@@ -64,7 +64,9 @@ struct Shape {
 // Samples per block: what keeps a block's padded x and packed dy near 1 MiB (in a core's L2 while every tap and
 // channel tile passes over it). Depends on the shapes only.
 int64_t BlockSize(const Shape& s) {
-  int64_t bytes = (s.ph * s.pw * s.ci + s.oh * s.ow * s.cop) * int64_t(sizeof(float));
+  // dy's channels counted as 16-lane vectors whatever kLanes is: the blocks, and so the order in which their
+  // partials are added, do not depend on the machine's vector width.
+  int64_t bytes = (s.ph * s.pw * s.ci + s.oh * s.ow * ((s.co + 15) / 16 * 16)) * int64_t(sizeof(float));
   return std::clamp<int64_t>((int64_t(1) << 20) / std::max<int64_t>(bytes, 1), 1, s.n);
 }
 
