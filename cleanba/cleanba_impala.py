@@ -327,7 +327,7 @@ class Args(Algorithm, Basics):
     wandb_entity: str | None = flag(None, resumable=True)
     """the wandb entity (team); None uses your default entity"""
     checkpoint_frequency: int = flag(0, "[0, inf)", resumable=True)
-    """save a checkpoint every this many iterations, and when stopped by SIGINT or SIGTERM (0: never)"""
+    """save a checkpoint every this many iterations, at the last, and when stopped by SIGINT or SIGTERM (0: never)"""
     resume: bool = flag(False, resumable=True)
     """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
     save_model: bool = flag(False, resumable=True)
@@ -617,8 +617,12 @@ def make_agent(args: Args, spec, mesh: Mesh):
 
 def initial_state(agent, args: Args, observation_space, init_key) -> TrainState:
     obs_example = np.zeros((1, *observation_space.shape), observation_space.dtype)
-    state = TrainState.create(apply_fn=None, params=agent.init(init_key, obs_example), tx=make_optimizer(args))
-    return state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
+
+    def create(key):  # one compiled program: run op by op, the initializers compile dozens (seconds at each start)
+        state = TrainState.create(apply_fn=None, params=agent.init(key, obs_example), tx=make_optimizer(args))
+        return state.replace(step=jnp.int32(0))  # an int32 array, as update returns it: no second compile
+
+    return jax.jit(create)(init_key)
 
 
 # ---- Run: start sets up devices, state, the compiled update, queues and actor threads; train is the learner's loop
@@ -753,7 +757,10 @@ def train(run: Run):
         episodes = process_gather(np.concatenate([np.stack([i.episode_returns, i.episode_lengths]) for i in infos], 2))
         if run.logger is not None:
             run.logger.log(iteration, infos, episodes, rollout_queue_wait, learner_update_time, run.state, metrics)
-            if args.checkpoint_frequency and iteration % args.checkpoint_frequency == 0:
+            # And the last iteration's: a signal during the model's save or evaluation, or a requeue, then finds
+            # nothing left to train.
+            last = iteration == args.num_iterations
+            if args.checkpoint_frequency and (iteration % args.checkpoint_frequency == 0 or last):
                 checkpoint.save_run_checkpoint(run)
         # All processes see a SIGTERM (e.g. SLURM preemption) at the same iteration and stop together.
         if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
@@ -778,6 +785,8 @@ def stop_run(run: Run):
     if run.logger is not None:
         run.logger.writer.flush()
     if run.args.distributed:
+        if run.stop.errors:  # the others may wait for this process in a collective, and a shutdown would wait for
+            plumbing.exit_status(run.stop, run.completed, now=True)  # them: exit now, they abort (--heartbeat-timeout)
         jax.distributed.shutdown()
 
 
@@ -800,6 +809,8 @@ def main(args: Args):
         train(run)
     except StopTraining:
         pass  # a signal, or an actor failed: run.stop says which
+    except Exception as error:  # the learner failed: the run ends as on an actor's error
+        run.stop.errors.append(error)
     finally:
         stop_run(run)
     finish(run)

@@ -593,11 +593,15 @@ def join_threads(threads: list):
         print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
 
 
-def exit_status(stop: Stop, completed: int):
-    """The end of a run that stopped early: the error of a thread (exit status 1) or the signal (128 + it)."""
+def exit_status(stop: Stop, completed: int, now: bool = False):
+    """The end of a run that stopped early: the first error, of an actor thread or the learner (exit status 1), or the
+    signal (128 + it). now: exit on an error at once, skipping Python's shutdown (see stop_run)."""
     if stop.errors:
         print_exception(stop.errors[0])
-        print(f"an actor thread failed ({type(stop.errors[0]).__name__}); the run stopped", file=sys.stderr)
+        print(f"the run stopped on an error ({type(stop.errors[0]).__name__})", file=sys.stderr, flush=True)
+        if now:
+            sys.stdout.flush()
+            os._exit(1)
         sys.exit(1)
     if stop.signals:
         print(f"stopped by signal {stop.signals[0]} after iteration {completed}", file=sys.stderr)

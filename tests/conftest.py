@@ -1,6 +1,8 @@
 """Helpers shared by the tests: run a training script as a subprocess and read back what it logged."""
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +53,27 @@ TINY = {
 }
 
 
+# Runs a training script with EnvPool's recv() failing on its 40th call in every actor thread: a real error in
+# the actor, injected from outside the script.
+FAULTY_ENVPOOL = """
+import runpy, sys, envpool
+make = envpool.make
+class FaultyEnv:
+    def __init__(self, env):
+        self.env, self.calls = env, 0
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+    def recv(self):
+        self.calls += 1
+        if self.calls == 40:
+            raise RuntimeError("injected actor fault")
+        return self.env.recv()
+envpool.make = lambda *args, **kwargs: FaultyEnv(make(*args, **kwargs))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def script_env(devices: int = 1, env: dict | None = None) -> dict:
     """The environment of a script run: `devices` forced host CPU devices, appended to the user's XLA_FLAGS."""
     environment = dict(os.environ, **(env or {}))
@@ -61,6 +84,7 @@ def script_env(devices: int = 1, env: dict | None = None) -> dict:
     # one cache per pytest-xdist worker, so that no run reads an entry another worker is writing.
     cache = f"jax-compilation-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
     environment.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / cache))
+    environment.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny programs compile in < 1 s
     environment["PYTHONUNBUFFERED"] = "1"
     return environment
 
@@ -143,6 +167,18 @@ def scalars(directory: Path) -> dict:
 def check_ok(process: subprocess.CompletedProcess):
     output = f"--- stdout\n{process.stdout}\n--- stderr\n{process.stderr}"
     assert process.returncode == 0, f"exit {process.returncode}\n{output}"
+
+
+def assert_lost_its_peer(returncode: int, output: str):
+    """How rank 0 ends when its peer is gone: a gloo collective fails (exit 1, with the traceback, at once), or JAX's
+    coordination service misses the peer's heartbeats and aborts the process (after --heartbeat-timeout)."""
+    if returncode == 1:
+        assert re.search(r"Gloo .* failed: .*Connection (reset|closed) by peer", output), output
+        assert "the run stopped on an error (JaxRuntimeError)" in output, output
+    else:
+        assert returncode == -signal.SIGABRT, output
+        assert "stopped sending heartbeats" in output or "heartbeat timeout" in output, output
+        assert "JAX distributed service detected fatal errors" in output, output
 
 
 @pytest.fixture(params=["ppo", "impala"])

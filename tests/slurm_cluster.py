@@ -16,6 +16,8 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits this long (the job credential's lifetime) before it starts again; SLURM's default is 120 s.
+AuthInfo=cred_expire=10
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid

@@ -3,10 +3,25 @@
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
-from conftest import LOSS_TAGS, TINY, check_ok, first_losses, run_dir, run_script, scalars, start_pair
+from conftest import (
+    FAULTY_ENVPOOL,
+    LOSS_TAGS,
+    TINY,
+    assert_lost_its_peer,
+    check_ok,
+    first_losses,
+    free_port,
+    run_dir,
+    run_script,
+    scalars,
+    script_command,
+    script_env,
+    start_pair,
+)
 
 ITERATIONS = 4
 LOCAL_NUM_ENVS = 4  # per process; the d1 reference runs 2 x 4 envs in one process
@@ -86,7 +101,8 @@ def test_all_local_devices_visible_under_srun(tmp_path):
 
 
 def test_killed_rank_stops_the_other(tmp_path):
-    """kill -9 of rank 1 mid-run: rank 0 exits non-zero within the heartbeat timeout plus a margin."""
+    """kill -9 of rank 1 mid-run: rank 0 ends within the heartbeat timeout plus a margin, by its collective's error or
+    by JAX's abort on rank 1's missed heartbeats."""
     heartbeat_timeout = 10
     args, _ = tiny_args("ppo", LOCAL_NUM_ENVS, iterations=100_000)
     processes = start_pair("ppo", tmp_path, args, heartbeat_timeout=heartbeat_timeout)
@@ -102,7 +118,7 @@ def test_killed_rank_stops_the_other(tmp_path):
         killed = time.time()
         rest = rank0.communicate(timeout=heartbeat_timeout + 60)[0]
         assert time.time() - killed < heartbeat_timeout + 60
-        assert rank0.returncode != 0, "".join(output) + rest
+        assert_lost_its_peer(rank0.returncode, rest)
     finally:
         for process in processes:
             process.kill()
@@ -124,6 +140,48 @@ def test_stuck_rank_stops_the_other(tmp_path):
         rest = rank0.communicate(timeout=stall_timeout + 60)[0]
         assert time.time() - stopped < stall_timeout + 60
         assert rank0.returncode == 1 and "--stall-timeout" in rest, rest
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_actor_fault_in_one_rank_ends_both(tmp_path):
+    """An actor error in rank 1 (EnvPool's recv failing): rank 1 exits 1 with the traceback at once, without waiting in
+    JAX's shutdown for rank 0, which waits for it in a collective; rank 0 then ends within the heartbeat timeout. Both
+    once waited in the shutdown barrier for minutes, and rank 1's traceback was never printed."""
+    heartbeat_timeout = 10
+    args, _ = tiny_args("ppo", LOCAL_NUM_ENVS, iterations=100_000)
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", rank]
+        command = script_command("ppo", [*args, "--distributed", "--heartbeat-timeout", heartbeat_timeout, *flags])
+        if rank == 1:  # the same script, run with the faulty EnvPool
+            command = [sys.executable, "-c", FAULTY_ENVPOOL, *command[1:]]
+        (tmp_path / f"rank{rank}").mkdir()
+        processes.append(
+            subprocess.Popen(
+                command,
+                cwd=tmp_path / f"rank{rank}",
+                env=script_env(2),
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    try:
+        rank0, rank1 = processes
+        started = time.time()
+        output1 = rank1.communicate(timeout=120)[0]
+        assert rank1.returncode == 1, output1
+        assert "RuntimeError: injected actor fault" in output1, output1
+        assert "the run stopped on an error (RuntimeError)" in output1, output1
+        failed = time.time()
+        output0 = rank0.communicate(timeout=heartbeat_timeout + 60)[0]
+        assert time.time() - failed < heartbeat_timeout + 60
+        assert_lost_its_peer(rank0.returncode, output0)
+        assert time.time() - started < 180
     finally:
         for process in processes:
             process.kill()

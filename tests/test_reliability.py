@@ -3,6 +3,7 @@
 import importlib
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,27 +13,18 @@ import flax
 import jax
 import numpy as np
 import pytest
-from conftest import SCRIPTS, TINY, check_ok, run_dir, run_script, scalars, script_command, script_env, start_pair
-
-# Runs a training script with EnvPool's recv() failing on its 40th call in every actor thread: a real error in
-# the actor, injected from outside the script.
-FAULTY_ENVPOOL = """
-import runpy, sys, envpool
-make = envpool.make
-class FaultyEnv:
-    def __init__(self, env):
-        self.env, self.calls = env, 0
-    def __getattr__(self, name):
-        return getattr(self.env, name)
-    def recv(self):
-        self.calls += 1
-        if self.calls == 40:
-            raise RuntimeError("injected actor fault")
-        return self.env.recv()
-envpool.make = lambda *args, **kwargs: FaultyEnv(make(*args, **kwargs))
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+from conftest import (
+    FAULTY_ENVPOOL,
+    SCRIPTS,
+    TINY,
+    check_ok,
+    run_dir,
+    run_script,
+    scalars,
+    script_command,
+    script_env,
+    start_pair,
+)
 
 # Runs a training script on envs whose observations never change (one fixed vector per env id, from the real env's
 # space) and whose reward is 1 when the action equals env id mod 2, and whose episodes never end: nothing an env
@@ -62,6 +54,14 @@ class MemorylessEnv:
 envpool.make = lambda task_id, env_type, num_envs, batch_size, seed, **kwargs: MemorylessEnv(
     task_id, num_envs, seed, **kwargs
 )
+# Each checkpoint is also kept as checkpoint.msgpack.<iteration> once saved, for a test to resume from any of them.
+import shutil
+from cleanba import checkpoint
+save = checkpoint.save_run_checkpoint
+def save_and_keep(run):
+    save(run)
+    shutil.copyfile(run.checkpoint_path, f"{run.checkpoint_path}.{run.completed}")
+checkpoint.save_run_checkpoint = save_and_keep
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -116,7 +116,7 @@ def test_actor_fault_ends_the_run(script, tmp_path):
     process = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
     assert process.returncode == 1, process.stdout + process.stderr
     assert "Traceback" in process.stderr and "RuntimeError: injected actor fault" in process.stderr
-    assert "an actor thread failed" in process.stderr
+    assert "the run stopped on an error (RuntimeError)" in process.stderr
     assert "did not stop" not in process.stderr
     # Startup and compilation included (22 s measured next to another test's processes); the run itself is
     # 100,000 iterations long, so only the fault ends it this soon, and a hang hits the 120 s timeout.
@@ -306,6 +306,29 @@ def test_resuming_a_finished_run_ends_at_once(script, concurrency, how, env, tmp
     assert "nothing to train" in resumed.stdout and final in resumed.stdout, resumed.stdout
 
 
+def test_signal_after_the_last_iteration_leaves_its_checkpoint(script, tmp_path):
+    """SIGTERM while the trained model is evaluated, after the last iteration (5, no multiple of the checkpoint
+    frequency 3): exit 143 with the checkpoint of iteration 5, so that the requeue that follows ends at once with the
+    same final params instead of training again from iteration 3."""
+    iterations = 5
+    args = [*long_args(script, iterations), "--checkpoint-frequency", 3, "--save-model", "--run-name", "e"]
+    process = start(script, [*args, "--eval-episodes", 1_000_000], tmp_path)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("model saved to"):  # then the evaluation of a million games, which the signal stops
+            break
+    time.sleep(1)
+    output = "".join(lines) + stop_and_wait(process, signal.SIGTERM)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert f"stopped by signal {signal.SIGTERM} after iteration {iterations}" in output, output
+    assert load_checkpoint_file(tmp_path / "runs" / "e" / "checkpoint.msgpack")["iteration"] == iterations
+    final = re.search(r"final params sha256 \w+", output).group(0)
+    resumed = run_script(script, [*args, "--eval-episodes", 0], tmp_path, timeout=120, env={"SLURM_RESTART_COUNT": "1"})
+    check_ok(resumed)
+    assert "nothing to train" in resumed.stdout and final in resumed.stdout, resumed.stdout
+
+
 def test_resume_continues_the_straight_run_bit_for_bit(script, tmp_path):
     """A run resumed from the checkpoint of iteration k ends with the straight run's final params, bit for bit: the
     checkpoint restores the straight run's params, optimizer state and step (which also keys the minibatch
@@ -316,7 +339,11 @@ def test_resume_continues_the_straight_run_bit_for_bit(script, tmp_path):
     args = [*long_args(script, iterations), "--no-concurrency", "--checkpoint-frequency", k, "--run-name", "r"]
     command = [sys.executable, "-c", MEMORYLESS_ENVPOOL, str(SCRIPTS[script])]
     runs = []
-    for extra in [[], ["--resume"]]:  # the straight run saves iteration k (its only multiple of k), then the resume
+    for extra in [[], ["--resume"]]:  # the straight run saves iterations k and 6; the resume starts from k's
+        if extra:
+            shutil.copyfile(
+                tmp_path / "runs" / "r" / f"checkpoint.msgpack.{k}", tmp_path / "runs" / "r" / "checkpoint.msgpack"
+            )
         process = subprocess.run(
             [*command, *map(str, [*args, *extra])],
             cwd=tmp_path,

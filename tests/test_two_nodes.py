@@ -16,7 +16,18 @@ import time
 
 import flax.serialization
 import pytest
-from conftest import ROOT, SCRIPTS, TINY, check_ok, run_dir, run_script, scalars, script_command, script_env
+from conftest import (
+    ROOT,
+    SCRIPTS,
+    TINY,
+    assert_lost_its_peer,
+    check_ok,
+    run_dir,
+    run_script,
+    scalars,
+    script_command,
+    script_env,
+)
 from two_nodes import NODES, TwoNodes
 
 ITERATIONS = 4
@@ -194,7 +205,8 @@ def test_slurm_job_across_two_nodes_equals_one_node(nodes, script, tmp_path):
 
 
 def test_a_killed_node_process_ends_the_run(nodes, tmp_path):
-    """kill -9 of the process on node1: rank 0 exits non-zero within the heartbeat timeout plus a margin."""
+    """kill -9 of the process on node1: rank 0 ends within the heartbeat timeout plus a margin, by its collective's
+    error or by JAX's abort on the missed heartbeats."""
     heartbeat_timeout = 10
     processes = start_on_nodes(nodes, "ppo", flags("ppo", 4, iterations=100_000), tmp_path, heartbeat_timeout)
     seen = wait_for_training(processes[0])
@@ -208,8 +220,8 @@ def test_a_killed_node_process_ends_the_run(nodes, tmp_path):
         *reasons(rest),
         sep="\n  ",
     )
-    assert processes[0].returncode != 0 and took < heartbeat_timeout + 60, seen + rest
-    assert "stopped sending heartbeats" in rest, rest  # JAX names the unhealthy task
+    assert took < heartbeat_timeout + 60, seen + rest
+    assert_lost_its_peer(processes[0].returncode, rest)
 
 
 def test_a_network_partition_ends_the_run(nodes, tmp_path):
@@ -346,8 +358,8 @@ def test_preempted_slurm_job_requeued_on_two_nodes_finishes(nodes, tmp_path):
     stopped = re.findall(r"stopped by signal 15 after iteration (\d+)", first)
     assert len(stopped) == 2 and len(set(stopped)) == 1, first + nodes.logs()
     assert task["JobState"] != "COMPLETED" and f"checkpoint of iteration {stopped[0]} saved" in first
-    # SLURM delays a requeued job's start (its begin time) until the old job's credential is revoked; starting it
-    # at once (StartTime=now) got it killed once with "Job credential revoked". So the test waits for it.
+    # SLURM delays a requeued job's start (its begin time) until the old job's credential expires (the cluster's
+    # cred_expire, 10 s); starting it at once (StartTime=now) got it killed once with "Job credential revoked".
     requeued = nodes.slurm(["scontrol", "requeue", job_id])
     assert requeued.returncode == 0, requeued.stderr
     (task,) = nodes.wait(job_id, timeout=300)
