@@ -56,6 +56,7 @@ def test_impala_curve_as_stored(step, value):
     """docs/atari-cpu.md's IMPALA points up to 691k, where its stored event files end (the run's last session, to
     1.5M, is not in docs/runs: its 30.6 at 1.5M and 0.881 cannot be checked here, and the page says so)."""
     assert f"{value} at {step // 1000}k" in ATARI_CPU
+    assert "the event files kept in `docs/runs` end at 691k steps, at 8.6" in README
     points = curve("breakout-impala-cpu")
     assert round(points.step.iloc[-1] / 1000) == 691
     assert round(value_at(points, step), 1) == value

@@ -181,6 +181,20 @@ def test_learns_cartpole(script, seed, tmp_path):
     assert curve[-1][1] >= bounds["floor"], curve
 
 
+def test_learns_breakout_a_little(tmp_path):
+    """Breakout learned in about 3.5 minutes of a 2-core CPU: IMPALA with a narrower ResNet (channels 8, 16, 16 and 64
+    hidden units) and 32 envs. The 20-game mean return starts at random play's level (the first five logged means,
+    to 22k steps, average below 2.1) and leaves it: the last five, 59k-72k steps, average 2.2 or more. Measured: seed
+    2 went from 1.61 to 2.51; seed 1 with the policy gradient taken out of the loss from 1.61 to 1.78 (fails)."""
+    flags = ["--channels", "8", "16", "16", "--hidden-dim", "64", "--num-actor-threads", "1", "--local-num-envs", "32"]
+    common = ["--env-id", "Breakout-v5", "--total-timesteps", "72000", "--log-frequency", "5", "--seed", "1"]
+    process = run_script("impala", [*flags, *common], tmp_path, timeout=600)
+    check_ok(process)
+    returns = [value for _, value in scalars(run_dir(tmp_path))["charts/episodic_return"]]
+    assert len(returns) >= 15, returns
+    assert np.mean(returns[:5]) < 2.1 and np.mean(returns[-5:]) >= 2.2, returns
+
+
 def test_track_syncs_to_wandb_offline(tmp_path):
     """--track: wandb (offline here, no network) receives the TensorBoard scalars under the run's name."""
     tiny_run("ppo", tmp_path, ["--track", "--wandb-project-name", "cleanba-tests"], iterations=2)
