@@ -11,68 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tyro
-from jax.sharding import Mesh
-from test_advantages import episode_data, vtrace_loop
+from learner_reference import (
+    MINIBATCHES,
+    OBS_SHAPE,
+    TOLERANCE,
+    T,
+    assert_params_match,
+    make_args,
+    make_rollout,
+    script_learner,
+)
+from test_advantages import vtrace_loop
 
 from cleanba import cleanba_impala
-
-T, N, MINIBATCHES = 8, 4, 2
-OBS_SHAPE = (4, 12, 12)  # a small Atari frame stack: the ResNet's convolutions, pools and dense layers all run
-
-
-def make_args(extra: list):
-    args = tyro.cli(
-        cleanba_impala.Args,
-        args=[
-            "--env-id",
-            "Breakout-v5",
-            "--channels",
-            "4",
-            "8",
-            "--hidden-dim",
-            "16",
-            "--num-actor-threads",
-            "1",
-            "--local-num-envs",
-            str(N),
-            "--num-steps",
-            str(T),
-            "--num-minibatches",
-            str(MINIBATCHES),
-            "--total-timesteps",
-            str(3 * T * N),  # 3 iterations: the learning rate anneals from one to the next
-            *extra,
-        ],
-    )
-    cleanba_impala.check_args(args)
-    cleanba_impala.fill_runtime_sizes(args, 1, 0)
-    assert args.num_iterations == 3
-    return args
-
-
-def make_rollout(agent, params, seed: int):
-    """Random frames with the episode structure of test_advantages (terminations, truncations, invalid auto-reset
-    steps), rewards in {-1, 0, 1}, and behaviour log-probabilities near the current policy's, so that some
-    importance weights are clipped at 1 and some are not."""
-    rng = np.random.default_rng(seed)
-    _, _, terminations, truncations, valid = episode_data(seed, T, N)
-    obs = rng.integers(0, 256, size=(T + 1, N, *OBS_SHAPE), dtype=np.uint8)
-    rewards = rng.choice(np.array([-1.0, 0.0, 1.0], np.float32), size=(T, N), p=[0.2, 0.5, 0.3])
-    rewards[~valid] = 0.0
-    logits, _ = agent.apply(params, obs[:-1].reshape(T * N, *OBS_SHAPE))
-    actions = rng.integers(0, logits.shape[-1], size=(T, N)).astype(np.int32)
-    logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), actions.reshape(-1, 1), axis=1).reshape(T, N)
-    return cleanba_impala.Rollout(
-        obs=obs,
-        actions=actions,
-        logprobs=(logp + rng.normal(0, 0.3, (T, N))).astype(np.float32),
-        rewards=rewards,
-        terminations=terminations,
-        truncations=truncations,
-        valid=valid,
-        env_ids=np.arange(N, dtype=np.int32)[None],
-    )
 
 
 def reference_loss(agent, args, params, obs, actions, logprobs, targets, advantages, valid):
@@ -151,20 +102,15 @@ def reference_iteration(agent, args, shuffle_key, params, nu, step: int, rollout
     ids=["micro-batches-clipped", "exact-groups"],
 )
 def test_two_iterations_match_the_plain_reference(extra):
-    args = make_args(extra)
-    mesh = Mesh(np.array(jax.local_devices()[:1]), ("learner",))
-    agent = cleanba_impala.make_network(args, num_actions=18)
-    init_key, shuffle_key = jax.random.split(jax.random.key(7))
-    space = type("Space", (), {"shape": OBS_SHAPE, "dtype": np.uint8})
-    state = cleanba_impala.initial_state(agent, args, space, init_key)
-    update = cleanba_impala.make_learner_update(agent, args, shuffle_key, mesh, 1)
+    args = make_args(cleanba_impala, extra)
+    agent, shuffle_key, state, update = script_learner(cleanba_impala, args)
 
     params = jax.tree.map(np.asarray, state.params)
     nu = jax.tree.map(lambda p: np.zeros(p.shape, np.float64), params)
     step, norms = 0, []
     for seed in (1, 2):  # seeds whose rollouts hold terminations and truncations (episode_data checks)
         before = params
-        rollout = make_rollout(agent, params, seed)
+        rollout = make_rollout(cleanba_impala, agent, params, seed)
         state, logged = update(state, (cleanba_impala.Rollout(*map(jnp.asarray, rollout)),))
         params, nu, step, metrics, iteration_norms = reference_iteration(
             agent, args, shuffle_key, params, nu, step, rollout
@@ -173,16 +119,8 @@ def test_two_iterations_match_the_plain_reference(extra):
         assert int(state.step) == step
         for name in ("loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clipped_rho_fraction"):
             expected = np.mean([float(m[name]) for m in metrics])
-            np.testing.assert_allclose(float(logged[name]), expected, rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(float(logged[name]), expected, **TOLERANCE, err_msg=name)
         assert 0 < float(logged["clipped_rho_fraction"]) < 1, "some importance weights should be clipped, some not"
-        for path, got, want in zip(
-            jax.tree_util.tree_leaves_with_path(state.params),
-            jax.tree.leaves(state.params),
-            jax.tree.leaves(params),
-        ):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path[0]))
-        # The parameters moved by far more than the tolerance: an update that did nothing would fail above.
-        moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before)))
-        assert moved > 100 * 1e-6
+        assert_params_match(state.params, params, before)
     if args.max_grad_norm < 1:
         assert max(norms) > args.max_grad_norm, "the clipped case should clip"

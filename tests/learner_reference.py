@@ -1,0 +1,74 @@
+"""What the two learner reference tests (test_ppo_update.py, test_impala_update.py) share: the script's args at tiny
+Atari sizes, a rollout of random frames with episode ends, the script's own state and compiled update, and the
+comparison of its params with the reference's."""
+
+import jax
+import numpy as np
+import tyro
+from jax.sharding import Mesh
+from test_advantages import episode_data
+
+T, N, MINIBATCHES = 8, 4, 2
+OBS_SHAPE = (4, 12, 12)  # a small Atari frame stack: the ResNet's convolutions, pools and dense layers all run
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_args(script, extra: list):
+    """script: the training script's module. Breakout, a narrow ResNet, N envs of T steps, 3 iterations."""
+    args = tyro.cli(
+        script.Args,
+        args=[
+            *["--env-id", "Breakout-v5", "--channels", "4", "8", "--hidden-dim", "16", "--num-actor-threads", "1"],
+            *["--local-num-envs", str(N), "--num-steps", str(T), "--num-minibatches", str(MINIBATCHES)],
+            *["--total-timesteps", str(3 * T * N)],  # 3 iterations: the learning rate anneals from one to the next
+            *extra,
+        ],
+    )
+    script.check_args(args)
+    script.fill_runtime_sizes(args, 1, 0)
+    assert args.num_iterations == 3
+    return args
+
+
+def make_rollout(script, agent, params, seed: int):
+    """Random frames with the episode structure of test_advantages (terminations, truncations, invalid auto-reset
+    steps), rewards in {-1, 0, 1}, and behaviour log-probabilities near the current policy's, so that some ratios
+    (PPO) leave the clip range and some importance weights (IMPALA) are clipped at 1."""
+    rng = np.random.default_rng(seed)
+    _, _, terminations, truncations, valid = episode_data(seed, T, N)
+    obs = rng.integers(0, 256, size=(T + 1, N, *OBS_SHAPE), dtype=np.uint8)
+    rewards = rng.choice(np.array([-1.0, 0.0, 1.0], np.float32), size=(T, N), p=[0.2, 0.5, 0.3])
+    rewards[~valid] = 0.0
+    logits, _ = agent.apply(params, obs[:-1].reshape(T * N, *OBS_SHAPE))
+    actions = rng.integers(0, logits.shape[-1], size=(T, N)).astype(np.int32)
+    logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), actions.reshape(-1, 1), axis=1).reshape(T, N)
+    return script.Rollout(
+        obs=obs,
+        actions=actions,
+        logprobs=(logp + rng.normal(0, 0.3, (T, N))).astype(np.float32),
+        rewards=rewards,
+        terminations=terminations,
+        truncations=truncations,
+        valid=valid,
+        env_ids=np.arange(N, dtype=np.int32)[None],
+    )
+
+
+def script_learner(script, args):
+    """The script's network, shuffle key, initial state and compiled learner update (one learner device)."""
+    mesh = Mesh(np.array(jax.local_devices()[:1]), ("learner",))
+    agent = script.make_network(args, num_actions=18)
+    init_key, shuffle_key = jax.random.split(jax.random.key(7))
+    space = type("Space", (), {"shape": OBS_SHAPE, "dtype": np.uint8})
+    state = script.initial_state(agent, args, space, init_key)
+    return agent, shuffle_key, state, script.make_learner_update(agent, args, shuffle_key, mesh, 1)
+
+
+def assert_params_match(got, want, before):
+    """The script's params equal the reference's leaf by leaf, and moved from `before` by far more than the tolerance
+    (an update that did nothing would fail)."""
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, **TOLERANCE, err_msg=jax.tree_util.keystr(path[0]))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(got))
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(before)))
+    assert moved > 100 * TOLERANCE["atol"]
