@@ -92,6 +92,9 @@ class Algorithm:
     """channels of the IMPALA ResNet's conv sequences"""
     hidden_dim: int = flag(256, "[1, inf)")
     """width of the dense layer after the ResNet, and of the two MLP layers for vector observations"""
+    conv_dtype: Literal["float32", "bfloat16"] = "float32"
+    """the ResNet's dtype: bfloat16 runs its convolutions in bfloat16 with float32 accumulation, on a GPU's tensor
+    cores (params, optimizer, heads and losses stay float32; docs/gpu.md)"""
     concurrency: bool = True
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
 
@@ -122,36 +125,41 @@ def minibatch_classes(args: "Args") -> int:
     return args.num_minibatches
 
 
-def conv_and_pool(channels: int, xla_cpu: bool):
-    """The ResNet's 3x3 convolution and its 3x3, stride-2 max pool. On XLA:CPU those of cleanba/xla_cpu.py (flax's
-    values and gradients up to float32 rounding, fast inside the learner's loops: docs/performance.md); else flax's."""
+def conv_and_pool(channels: int, xla_cpu: bool, dtype):
+    """The ResNet's 3x3 convolution (inputs and outputs in dtype) and its 3x3, stride-2 max pool. On XLA:CPU those of
+    cleanba/xla_cpu.py (flax's values and gradients up to float32 rounding, fast inside the learner's loops:
+    docs/performance.md); else flax's."""
     if not xla_cpu:
-        return nn.Conv(channels, (3, 3)), partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+        pool = partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+        return nn.Conv(channels, (3, 3), dtype=dtype), pool
     from cleanba import xla_cpu
 
-    return nn.Conv(channels, (3, 3), conv_general_dilated=xla_cpu.conv_general_dilated), xla_cpu.max_pool
+    return nn.Conv(channels, (3, 3), dtype=dtype, conv_general_dilated=xla_cpu.conv_general_dilated), xla_cpu.max_pool
 
 
 class ResidualBlock(nn.Module):
     channels: int
     xla_cpu: bool
+    dtype: type
 
     @nn.compact
     def __call__(self, x):
-        y = conv_and_pool(self.channels, self.xla_cpu)[0](nn.relu(x))
-        y = conv_and_pool(self.channels, self.xla_cpu)[0](nn.relu(y))
+        y = conv_and_pool(self.channels, self.xla_cpu, self.dtype)[0](nn.relu(x))
+        y = conv_and_pool(self.channels, self.xla_cpu, self.dtype)[0](nn.relu(y))
         return x + y
 
 
 class ConvSequence(nn.Module):
     channels: int
     xla_cpu: bool
+    dtype: type
 
     @nn.compact
     def __call__(self, x):
-        conv, max_pool = conv_and_pool(self.channels, self.xla_cpu)
+        conv, max_pool = conv_and_pool(self.channels, self.xla_cpu, self.dtype)
         x = max_pool(conv(x))
-        return ResidualBlock(self.channels, self.xla_cpu)(ResidualBlock(self.channels, self.xla_cpu)(x))
+        block = partial(ResidualBlock, self.channels, self.xla_cpu, self.dtype)
+        return block()(block()(x))
 
 
 class Agent(nn.Module):
@@ -162,14 +170,15 @@ class Agent(nn.Module):
     channels: tuple[int, ...]
     hidden_dim: int
     xla_cpu: bool = False  # the network runs on XLA:CPU: conv_and_pool takes cleanba/xla_cpu.py's
+    dtype: type = jnp.float32  # the ResNet's (--conv-dtype); the dense layers compute in float32
 
     @nn.compact
     def __call__(self, obs):
         if obs.ndim == 4:  # EnvPool Atari: (batch, stack, height, width) uint8
-            x = jnp.transpose(obs, (0, 2, 3, 1)).astype(jnp.float32) / 255.0
+            x = jnp.transpose(obs, (0, 2, 3, 1)).astype(self.dtype) / 255.0
             for channels in self.channels:
-                x = ConvSequence(channels, self.xla_cpu)(x)
-            x = nn.relu(x.reshape(x.shape[0], -1))
+                x = ConvSequence(channels, self.xla_cpu, self.dtype)(x)
+            x = nn.relu(x.reshape(x.shape[0], -1).astype(jnp.float32))
             # Orthogonal with gain sqrt(2) for the ReLU layer, as the original Cleanba's (and the heads below).
             dense = nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))
             policy_features = value_features = nn.relu(dense(x))
@@ -190,7 +199,8 @@ def make_network(args: "Args", num_actions: int, platform: str | None = None) ->
     """The network from the flags, for training and for evaluating a saved model (used by cleanba/evaluate.py and
     gpu_compile.py): change this function with Agent's signature. Agent maps observations to (logits (batch,
     actions), values (batch,)). platform: where it runs ("cpu", "gpu", ...; default: JAX's default backend)."""
-    return Agent(num_actions, tuple(args.channels), args.hidden_dim, (platform or jax.default_backend()) == "cpu")
+    xla_cpu = (platform or jax.default_backend()) == "cpu"
+    return Agent(num_actions, tuple(args.channels), args.hidden_dim, xla_cpu, jnp.dtype(args.conv_dtype).type)
 
 
 def vtrace_targets(values, rewards, terminations, valid, rhos, gamma: float):

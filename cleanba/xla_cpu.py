@@ -155,7 +155,10 @@ def conv_general_dilated(
         )
     if isinstance(padding, str):
         padding = jax.lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], (1, 1), padding)
-    return eigen_conv(lhs, rhs, tuple(tuple(int(p) for p in pair) for pair in padding), precision)
+    padding = tuple(tuple(int(p) for p in pair) for pair in padding)
+    if lhs.dtype == rhs.dtype == jnp.bfloat16:  # as a GPU: bfloat16 in and out, accumulated in float32
+        return eigen_conv(lhs.astype(jnp.float32), rhs.astype(jnp.float32), padding, precision).astype(jnp.bfloat16)
+    return eigen_conv(lhs, rhs, padding, precision)
 
 
 def native(padding, *arrays) -> bool:
