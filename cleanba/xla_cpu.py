@@ -252,6 +252,9 @@ def max_pool_backward(residuals, dy):
     # (offset 1), and likewise for columns; shares are added in row-major window order, as XLA adds them, so the
     # sums round the same way.
     x, y = residuals
+    if x.dtype == dy.dtype == jnp.bfloat16 and kernel_ready():  # the same routing; the shares summed in float32
+        x, y, dy = (a.astype(jnp.float32) for a in (x, y, dy))
+        return (kernel_call("cleanba_max_pool_gradient", x.shape, x, y, dy).astype(jnp.bfloat16),)
     if native([(0, 0)], x, dy):
         return (kernel_call("cleanba_max_pool_gradient", x.shape, x, y, dy),)
     windows, pads = pool_windows(x)

@@ -123,9 +123,9 @@ def test_conv_matches_lax(shape, padding, kernels):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()), err_msg=name)
 
 
-def loop_program(conv) -> str:
+def loop_program(conv, dtype=jnp.float32) -> str:
     """The CPU program of the ResNet's gradient inside a rolled lax.scan, with conv as the network's convolution."""
-    agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8), hidden_dim=16, xla_cpu=True)
+    agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8), hidden_dim=16, xla_cpu=True, dtype=dtype)
     obs = np.random.default_rng(0).integers(0, 255, (3, 2, 4, 42, 42)).astype(np.uint8)  # 3 steps of 2 frames
     params = agent.init(jax.random.key(0), obs[0, :1])
     grad = jax.grad(lambda p, o: jnp.sum(agent.apply(p, o)[0]))
@@ -145,25 +145,26 @@ def convolution_layouts(text: str) -> list:
     return re.findall(r"convolution\(.*dim_labels=([^,\s]+)", text)
 
 
-def test_convolutions_in_a_loop_are_kernels_or_in_eigen_layout():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_convolutions_in_a_loop_are_kernels_or_in_eigen_layout(dtype):
     """What makes a rolled gradient loop fast on XLA:CPU. With cpu_kernels.cc built, every convolution, weight
     gradient and max-pool gradient is one of its custom calls. Without it, every convolution is already in Eigen's
     layout (batch first, features last, HWIO kernel), since XLA:CPU moves convolutions into it only outside loops (jax
     issue 12868). With lax's own gradient, the loop holds convolutions in other layouts, which fall back to a naive
-    kernel."""
+    kernel. The same with --conv-dtype bfloat16 (the kernels take its arrays widened to float32)."""
     require_kernels()
-    ours = loop_program(xla_cpu.conv_general_dilated)
+    ours = loop_program(xla_cpu.conv_general_dilated, dtype)
     calls = re.findall(r'custom_call_target="(cleanba_[a-z_]+)"', ours)
     # 10 convolutions (channels (4, 8): 5 per stage): their forward, their weight gradient, and the input gradient of
     # all but the first (the observation's is never computed); one max pool per stage
     assert calls.count("cleanba_conv") == 10 + 9 and calls.count("cleanba_conv_weight_gradient") == 10, calls
     assert calls.count("cleanba_max_pool_gradient") == 2 and not convolution_layouts(ours), calls
     with without_kernels():
-        fallback = loop_program(xla_cpu.conv_general_dilated)
+        fallback = loop_program(xla_cpu.conv_general_dilated, dtype)
     layouts = convolution_layouts(fallback)
     assert len(layouts) == 3 * 10 - 1 and set(layouts) == {"b01f_01io->b01f"}, layouts
     assert "custom_call_target" not in fallback
-    assert set(convolution_layouts(loop_program(jax.lax.conv_general_dilated))) - {"b01f_01io->b01f"}
+    assert set(convolution_layouts(loop_program(jax.lax.conv_general_dilated, dtype))) - {"b01f_01io->b01f"}
 
 
 def kernels_child(code: str, **env) -> str:
