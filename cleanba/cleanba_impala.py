@@ -93,8 +93,8 @@ class Algorithm:
     hidden_dim: int = flag(256, "[1, inf)")
     """width of the dense layer after the ResNet, and of the two MLP layers for vector observations"""
     conv_dtype: Literal["float32", "bfloat16"] = "float32"
-    """the ResNet's dtype: bfloat16 runs its convolutions in bfloat16 with float32 accumulation, on a GPU's tensor
-    cores (params, optimizer, heads and losses stay float32; docs/gpu.md)"""
+    """the ResNet's dtype: bfloat16 runs its convolutions in bfloat16 with float32 accumulation on a GPU's tensor
+    cores (params, optimizer, heads and losses stay float32; docs/gpu.md); on a CPU it only adds casts"""
     concurrency: bool = True
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
 
