@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, check_ok
+from conftest import ROOT, SLOWDOWN, check_ok
 
 if importlib.util.find_spec("jax_cuda12_plugin") is None:
     if os.environ.get("CI") == "true":
@@ -44,7 +44,7 @@ def gpu_compile(target: str, script: str, flags: list, processes: int = 1) -> tu
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=900 * SLOWDOWN,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     rows = {

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SLOWDOWN
 
 from cleanba import cleanba_ppo, xla_cpu
 
@@ -170,7 +171,7 @@ def test_convolutions_in_a_loop_are_kernels_or_in_eigen_layout(dtype):
 def kernels_child(code: str, **env) -> str:
     """Runs code in a fresh Python (its own kernel build state and thread affinity) and returns what it printed."""
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300 * SLOWDOWN, env={**os.environ, **env}
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
