@@ -118,8 +118,8 @@ def script_command(script: str, args: list) -> list:
 
 
 # The subprocess timeouts below bound a hang; they are sized for the suite alone on the 2-core CI machine. A run that
-# shares the machine (CI's Debian 13 root runs its tests niced beside the host's suite: a CartPole run that takes
-# 100 s alone took over 300 there) multiplies them by CLEANBA_TEST_SLOWDOWN.
+# shares the machine (CI's Debian 13 root runs its tests niced beside the host's suite, where the CartPole learning
+# run passed its 300 s bound) multiplies them by CLEANBA_TEST_SLOWDOWN.
 SLOWDOWN = float(os.environ.get("CLEANBA_TEST_SLOWDOWN", "1"))
 
 
