@@ -13,6 +13,7 @@ A fork changes the algorithm in its own file and rarely needs to read this one.
 
 import faulthandler
 import hashlib
+import importlib
 import os
 import queue
 import signal
@@ -111,6 +112,8 @@ def check_flags(args):
             f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
             f"{args.num_processes}"
         )
+    if args.env_id not in envpool.list_all_envs():
+        importlib.import_module("envpool.entry")  # every family EnvPool ships; startup registers the scripts' own
     if args.env_id not in envpool.list_all_envs():
         fail(
             f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, CartPole-v1)"

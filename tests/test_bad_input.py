@@ -10,7 +10,7 @@ from pathlib import Path
 
 import envpool
 import pytest
-from conftest import ROOT, SCRIPTS, run_script
+from conftest import ROOT, SCRIPTS, run_script, script_env
 
 from cleanba import startup
 
@@ -74,21 +74,22 @@ def check_one_line(process, *fragments):
 
 
 def test_missing_envpool_library_is_one_line(script, tmp_path):
-    """The installed EnvPool wheel, with one NEEDED entry more in one of its modules (patchelf): what envpool 1.2.6
-    and later are on a machine without libEGL.so.1, here with a library no machine has."""
+    """The installed EnvPool wheel, with one NEEDED entry more in its Atari module (patchelf), which every run
+    imports: what envpool 1.2.6 and later are on a machine without libEGL.so.1 (their gfootball module, once every
+    family is registered), here with a library no machine has."""
     installed = Path(envpool.__file__).parent
     site = tmp_path / "site"
     (site / "envpool").mkdir(parents=True)
     (site / "envpool.libs").symlink_to(installed.with_name("envpool.libs"))  # the wheel's $ORIGIN/../envpool.libs
     for entry in installed.iterdir():
-        if entry.name != "gfootball":
+        if entry.name != "atari":
             (site / "envpool" / entry.name).symlink_to(entry)
-    (site / "envpool" / "gfootball").mkdir()
-    for entry in (installed / "gfootball").iterdir():
-        (site / "envpool" / "gfootball" / entry.name).symlink_to(entry)
-    module = site / "envpool" / "gfootball" / "gfootball_envpool.so"
+    (site / "envpool" / "atari").mkdir()
+    for entry in (installed / "atari").iterdir():
+        (site / "envpool" / "atari" / entry.name).symlink_to(entry)
+    module = site / "envpool" / "atari" / "atari_envpool.so"
     module.unlink()
-    module.write_bytes((installed / "gfootball" / module.name).read_bytes())
+    module.write_bytes((installed / "atari" / module.name).read_bytes())
     patchelf = Path(sys.executable).with_name("patchelf")
     subprocess.run([patchelf, "--add-needed", "libcleanba-absent.so.1", module], check=True)
     process = run_script(
@@ -99,6 +100,36 @@ def test_missing_envpool_library_is_one_line(script, tmp_path):
         env={"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"},
     )
     check_one_line(process, "EnvPool 1.2", "libcleanba-absent.so.1", "the system package that provides it")
+
+
+def test_envpool_registers_the_scripts_families_and_the_rest_on_demand():
+    """startup.import_envpool: Atari and classic control registered without EnvPool's other families, whose Jumanji
+    module imports matplotlib's pyplot (a quarter of a training process's imports); an env id of another family
+    (MuJoCo's HalfCheetah) passes the --env-id check, which registers them all; an unknown one is refused."""
+    program = """
+import sys
+import tyro
+from cleanba import cleanba_ppo, plumbing
+import envpool
+print("registered", len(envpool.list_all_envs()), "matplotlib" in sys.modules, "CartPole-v1" in envpool.list_all_envs())
+for env_id in ["Breakout-v5", "HalfCheetah-v5", "Breakout-v99"]:
+    try:
+        plumbing.check_flags(tyro.cli(cleanba_ppo.Args, args=["--env-id", env_id]))
+        print(env_id, "accepted", len(envpool.list_all_envs()))
+    except SystemExit:
+        print(env_id, "refused")
+"""
+    process = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300
+    )
+    assert process.returncode == 0, process.stderr
+    lines = process.stdout.splitlines()
+    registered = int(lines[0].split()[1])
+    assert lines[0] == f"registered {registered} False True", process.stdout
+    assert lines[1] == f"Breakout-v5 accepted {registered}", process.stdout
+    everything = int(lines[2].split()[-1])
+    assert lines[2] == f"HalfCheetah-v5 accepted {everything}" and everything > registered, process.stdout
+    assert lines[3] == "Breakout-v99 refused", process.stdout
 
 
 def test_missing_envpool_is_one_line(script, tmp_path):
