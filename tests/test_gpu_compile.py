@@ -91,31 +91,35 @@ def temporaries(stdout: str) -> float:
     return float(re.search(r"learner per device: temporaries ([\d.]+) GiB", stdout).group(1))
 
 
+HEADLINE = {  # name: (flags, processes)
+    "a0-l0": (LAYOUTS["a0-l0"], 1),
+    "a0-l1,2,3": (LAYOUTS["a0-l1,2,3"], 1),
+    "a0-l1,2,3-d2": (LAYOUTS["a0-l1,2,3"], 2),
+}
+
+
+@pytest.mark.parametrize("layout", HEADLINE)
 @pytest.mark.parametrize("script", ["ppo", "impala"])
-def test_default_sizes_compile_for_a100_on_every_headline_layout(script):
+def test_default_sizes_compile_for_a100_on_every_headline_layout(script, layout):
     """A100 40GB, the paper's GPU: a0-l0 (actor and learner share the GPU: both count), a0-l1,2,3 and -d2 (two
     hosts of four GPUs, the learner's all-reduce across them)."""
-    for name, flags, processes in [
-        ("a0-l0", LAYOUTS["a0-l0"], 1),
-        ("a0-l1,2,3", LAYOUTS["a0-l1,2,3"], 1),
-        ("a0-l1,2,3-d2", LAYOUTS["a0-l1,2,3"], 2),
-    ]:
-        process, rows = gpu_compile("a100-40gb", script, flags, processes)
-        check_ok(process)
-        print(name, process.stdout)
-        assert "compute capability 8.0" in process.stdout, process.stdout  # sm_80 code, through the lock's ptxas
-        assert re.search(r"[1-9]\d* cuDNN convolution calls", process.stdout), process.stdout
-        if name == "a0-l0":
-            assert rows == {0: ("actor+learner", rows[0][1], True)}, rows
-            # The flops are the GPU network's: within 15% of a count from the convolutions' and dense layers' shapes
-            # (a count on the CPU's network, whose convolutions are custom calls, gave 8.3 MFLOP for IMPALA).
-            counted = float(re.search(r"([\d.]+) MFLOP per env step", process.stdout)[1]) * 1e6
-            assert 0.9 < counted / update_flops_per_step(script) < 1.15, process.stdout
-        else:
-            assert set(rows) == {0, 1, 2, 3} and rows[0][0] == "actor", rows
-            assert all(rows[i][0] == "learner" and rows[i][2] for i in (1, 2, 3)), rows
-            assert re.search(r"[1-9]\d* all-reduces", process.stdout), process.stdout
-        assert re.search(r"compute bound .*: [\d,]+ env steps/s", process.stdout), process.stdout
+    flags, processes = HEADLINE[layout]
+    process, rows = gpu_compile("a100-40gb", script, flags, processes)
+    check_ok(process)
+    print(layout, process.stdout)
+    assert "compute capability 8.0" in process.stdout, process.stdout  # sm_80 code, through the lock's ptxas
+    assert re.search(r"[1-9]\d* cuDNN convolution calls", process.stdout), process.stdout
+    if layout == "a0-l0":
+        assert rows == {0: ("actor+learner", rows[0][1], True)}, rows
+        # The flops are the GPU network's: within 15% of a count from the convolutions' and dense layers' shapes
+        # (a count on the CPU's network, whose convolutions are custom calls, gave 8.3 MFLOP for IMPALA).
+        counted = float(re.search(r"([\d.]+) MFLOP per env step", process.stdout)[1]) * 1e6
+        assert 0.9 < counted / update_flops_per_step(script) < 1.15, process.stdout
+    else:
+        assert set(rows) == {0, 1, 2, 3} and rows[0][0] == "actor", rows
+        assert all(rows[i][0] == "learner" and rows[i][2] for i in (1, 2, 3)), rows
+        assert re.search(r"[1-9]\d* all-reduces", process.stdout), process.stdout
+    assert re.search(r"compute bound .*: [\d,]+ env steps/s", process.stdout), process.stdout
 
 
 def test_h100_memory_levers():
