@@ -331,11 +331,14 @@ def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
     return dict(sps=median(windows), window_sps=windows, window_bounds=starts)
 
 
-def build_model(module, args):
-    """Devices, mesh, agent, initial train state and keys exactly as main() builds them for one process."""
+def build_model(module, args, shapes_only: bool = False):
+    """Devices, mesh, agent, initial train state and keys exactly as main() builds them for one process. shapes_only:
+    the state as shapes on the learner devices (jax.eval_shape), for compiling only: nothing is initialized or
+    compiled for it (the initializers' program alone compiles in about 14 s of CPU at the default Atari sizes)."""
     import envpool
     import jax
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from cleanba.plumbing import check_devices
 
@@ -344,7 +347,14 @@ def build_model(module, args):
     learner_devices = [local_devices[i] for i in args.learner_device_ids]
     mesh = Mesh(np.array(learner_devices), ("learner",))
     spec = envpool.make_spec(args.env_id, **module.env_kwargs(args))
-    agent, state, action_key, shuffle_key = module.make_agent(args, spec, mesh)
+    if shapes_only:
+        agent = module.make_network(args, spec.action_space.n, mesh.devices.flat[0].platform)
+        _, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)  # as make_agent splits them
+        shapes = jax.eval_shape(lambda: module.make_agent(args, spec, mesh)[1])
+        replicated = NamedSharding(mesh, P())
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), shapes)
+    else:
+        agent, state, action_key, shuffle_key = module.make_agent(args, spec, mesh)
     return dict(
         actor_devices=[local_devices[i] for i in args.actor_device_ids],
         learner_devices=learner_devices,
@@ -536,7 +546,7 @@ def compile_learner(module, args, model, rollouts: tuple):
 
 def learner_memory(module, args) -> dict:
     """compile_learner's memory figures from shapes only, for args already checked and sized."""
-    model = build_model(module, args)
+    model = build_model(module, args, shapes_only=True)
     return compile_learner(module, args, model, rollout_structs(module, args, model))[1]
 
 

@@ -5,7 +5,8 @@
   first backend starts, so they are set before any import of jax. The scripts' start line prints XLA_FLAGS.
 - A Python the project does not support, or an EnvPool that cannot load a system library it links against, ends
   the process with one line naming what to install (exit status 1), instead of a traceback from inside an import.
-- EnvPool, imported with the env families the scripts train on registered (import_envpool).
+- EnvPool, imported with the env families the scripts train on registered (import_envpool), and rlax without the
+  distribution libraries that the scripts do not use (import_rlax).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import sys
 import types
+import typing
 from importlib.metadata import PackageNotFoundError, version
 
 PYTHONS = ((3, 11), (3, 14))  # the oldest and newest minor versions pyproject.toml's requires-python admits
@@ -47,6 +49,33 @@ def import_envpool():
         del sys.modules["envpool.entry"]  # the real one stays importable
     for family in ENVPOOL_FAMILIES:
         importlib.import_module(family)
+
+
+# `import rlax` imports its distribution helpers, which import distrax and TensorFlow Probability's JAX substrate:
+# about 1.3 s of a training process's CPU (this 2-core machine). The scripts use rlax's GAE and V-trace, which need
+# neither; rlax reads one name of distrax as it imports, in annotations (policy_targets: distrax.DistributionLike).
+# import_rlax imports rlax with a stand-in for distrax, which imports the real one the first time rlax uses it.
+class ImportOnUse(types.ModuleType):
+    """A stand-in for the module of its name: any name read from it comes from the real module, imported then."""
+
+    def __getattr__(self, name: str):
+        if sys.modules.get(self.__name__) is self:  # still standing in: the real module must replace it
+            del sys.modules[self.__name__]
+        return getattr(importlib.import_module(self.__name__), name)
+
+
+def import_rlax():
+    """Import rlax without distrax and TensorFlow Probability; rlax imports them when a function of it uses them."""
+    if "rlax" in sys.modules or "distrax" in sys.modules:
+        return
+    stand_in = ImportOnUse("distrax")
+    stand_in.DistributionLike = typing.Any  # what rlax reads as it imports (annotations)
+    sys.modules["distrax"] = stand_in
+    try:
+        import rlax  # noqa: F401
+    finally:
+        if sys.modules.get("distrax") is stand_in:
+            del sys.modules["distrax"]  # the real one stays importable
 
 
 def add_xla_flags(*flags: str):
@@ -97,7 +126,8 @@ def prepare_process():
     problem = python_problem()
     if problem is None:
         try:
-            import_envpool()  # the scripts' own `import envpool` then finds it loaded
+            import_envpool()  # the scripts' own `import envpool` and `import rlax` then find them loaded
+            import_rlax()
         except ModuleNotFoundError as error:
             if error.name != "envpool":
                 raise

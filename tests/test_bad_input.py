@@ -132,6 +132,28 @@ for env_id in ["Breakout-v5", "HalfCheetah-v5", "Breakout-v99"]:
     assert lines[3] == "Breakout-v99 refused", process.stdout
 
 
+def test_rlax_loads_its_distribution_libraries_on_first_use():
+    """startup.import_rlax: a script's imports leave out distrax and TensorFlow Probability, which rlax's GAE and
+    V-trace do not use; rlax's functions that use distrax still work (it is imported then), as does `import distrax`."""
+    program = """
+import sys
+import jax.numpy as jnp
+from cleanba import cleanba_impala
+import rlax
+print("loaded", "distrax" in sys.modules, "tensorflow_probability" in sys.modules)
+print("softmax", rlax.softmax(1.0).probs(jnp.array([0.0, 0.0])).tolist(), "tensorflow_probability" in sys.modules)
+import distrax
+print("distrax", distrax.Categorical(logits=jnp.zeros(4)).entropy().round(4))
+"""
+    process = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300
+    )
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.splitlines() == ["loaded False False", "softmax [0.5, 0.5] True", "distrax 1.3863"], (
+        process.stdout
+    )
+
+
 def test_missing_envpool_is_one_line(script, tmp_path):
     """No EnvPool at all: a Python without this environment's site-packages (-S), the project on PYTHONPATH."""
     process = subprocess.run(
