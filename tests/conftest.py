@@ -98,10 +98,27 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: each file's tests keep their order
 
 
+# Most tests check what a run does (its logs, checkpoints, signals, processes and layouts), not the last bits of its
+# numbers: their runs compile with LLVM's optimizations off (xla_backend_optimization_level=0: the same programs,
+# buffers, threads and collectives; other bits, as in any change of compiler flags), a run's compiles taking half the
+# CPU. Tests of the numbers a user gets (bitwise across layouts, learning, XLA's memory figures, the benchmark) are
+# marked `xla_default` and run as users do; so does any run outside a test (tests/digest_matrix.py).
+LLVM_UNOPTIMIZED = "--xla_backend_optimization_level=0"
+xla_default = [True]  # of the test now running in this process (set for each test below)
+
+
+@pytest.fixture(autouse=True)
+def xla_optimization(request):
+    xla_default[0] = request.node.get_closest_marker("xla_default") is not None
+
+
 def script_env(devices: int = 1, env: dict | None = None) -> dict:
-    """The environment of a script run: `devices` forced host CPU devices, appended to the user's XLA_FLAGS."""
+    """The environment of a script run: `devices` forced host CPU devices, appended to the user's XLA_FLAGS, and
+    outside tests marked xla_default, LLVM_UNOPTIMIZED."""
     environment = dict(os.environ, **(env or {}))
     flags = environment.get("XLA_FLAGS", "")
+    if not xla_default[0]:
+        flags = f"{flags} {LLVM_UNOPTIMIZED}"
     environment["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     environment.setdefault("JAX_PLATFORMS", "cpu")
     # Runs of the same tiny programs share compiled executables across the suite (same results, less time);

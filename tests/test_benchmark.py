@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import ROOT, TINY, check_ok, script_env
 
+pytestmark = pytest.mark.xla_default  # what users measure
+
 BENCHMARK = [sys.executable, "-m", "cleanba.benchmark"]
 QUICK = ["--repeats", "2", "--warmup-iterations", "1", "--iterations", "2"]
 SIZES = ["--local-num-envs", "4", "--num-actor-threads", "1"]

@@ -14,6 +14,8 @@ from conftest import check_ok, script_command, script_env
 
 from cleanba import benchmark
 
+pytestmark = pytest.mark.xla_default  # XLA's memory figures, as users get them
+
 GIB = 2**30
 
 

@@ -169,6 +169,7 @@ LEARNING = {
 }
 
 
+@pytest.mark.xla_default
 @pytest.mark.parametrize("seed", [1, 2])
 def test_learns_cartpole(script, seed, tmp_path):
     flags, bounds = LEARNING[script]
@@ -181,6 +182,7 @@ def test_learns_cartpole(script, seed, tmp_path):
     assert curve[-1][1] >= bounds["floor"], curve
 
 
+@pytest.mark.xla_default
 def test_learns_breakout_a_little(tmp_path):
     """Breakout learned in about 3.5 minutes of a 2-core CPU: IMPALA with a narrower ResNet (channels 8, 16, 16 and 64
     hidden units) and 32 envs. The 20-game mean return starts at random play's level (the first five logged means,

@@ -150,6 +150,7 @@ def wait_for_training(process: subprocess.Popen) -> str:
     raise AssertionError("the run ended before training:\n" + "".join(seen))
 
 
+@pytest.mark.xla_default  # --exact's bits across processes, as users get them
 @pytest.mark.parametrize("script", ["ppo", "impala"])
 def test_distributed_by_hand_across_two_nodes_equals_one_node(nodes, script, tmp_path):
     processes = start_on_nodes(nodes, script, flags(script, 4), tmp_path)
@@ -165,6 +166,7 @@ def test_distributed_by_hand_across_two_nodes_equals_one_node(nodes, script, tmp
 
 
 @pytest.mark.parametrize("script", ["ppo", "impala"])
+@pytest.mark.xla_default  # --exact's bits across processes (and SLURM's job has the cluster's environment)
 def test_slurm_job_across_two_nodes_equals_one_node(nodes, script, tmp_path):
     """launch_slurm --nodes 2 --ntasks-per-node 1: JAX's own SLURM detection finds the coordinator on node0."""
     command = " ".join(map(str, [sys.executable, SCRIPTS[script], "--distributed", *flags(script, 4)]))
