@@ -16,7 +16,17 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, check_ok, run_dir, run_script, scalars, script_command, script_env, start_pair
+from conftest import (
+    LLVM_UNOPTIMIZED,
+    ROOT,
+    check_ok,
+    run_dir,
+    run_script,
+    scalars,
+    script_command,
+    script_env,
+    start_pair,
+)
 
 pytestmark = pytest.mark.xla_default  # the bits users get, on every layout
 
@@ -102,8 +112,10 @@ def layout_runs(script, env_id, tmp_path) -> dict:
             script, [*exact_args(script, env_id, 2), *flags], tmp_path / name, devices=DEVICES, timeout=600
         )
         check_ok(process)
-        # What XLA is told: deterministic GPU kernels (a flag XLA:CPU also parses, or it would abort at start).
+        # What XLA is told: deterministic GPU kernels (a flag XLA:CPU also parses, or it would abort at start), and
+        # the default optimizations, as users run (tests not marked xla_default turn LLVM's off: conftest.py).
         assert "XLA_FLAGS:" in process.stdout and "--xla_gpu_deterministic_ops=true" in process.stdout
+        assert LLVM_UNOPTIMIZED not in process.stdout, process.stdout
         assert "on any split of the envs over actor threads and processes" in process.stdout, process.stdout
         runs[name] = curves(run_dir(tmp_path / name)), final_digests(process.stdout)
     pair = start_pair(
@@ -218,6 +230,7 @@ def test_a_split_that_cannot_be_exact_says_so(tmp_path):
         tmp_path,
     )
     check_ok(process)
+    assert "XLA_FLAGS:" in process.stdout and LLVM_UNOPTIMIZED not in process.stdout, process.stdout
     assert (
         "but not on another split of the envs over actor threads or processes (--local-num-envs is not a "
         "multiple of 32, a block of groups)" in process.stdout
