@@ -489,10 +489,12 @@ def rollout_structs(module, args, model) -> tuple:
     return (shapes,) * len(thread_slots(args))
 
 
-def compile_learner(module, args, model, rollouts: tuple):
+def compile_learner(module, args, model, rollouts: tuple, compiler_options: dict | None = None):
     """The script's learner update compiled for rollouts (arrays or ShapeDtypeStructs), and XLA's own memory
     analysis of it and of one minibatch gradient step (update_minibatch on the batch shapes that the update hands
-    it, recorded while tracing). Nothing runs: the figures are what XLA plans to allocate on the learner device."""
+    it, recorded while tracing). Nothing runs: the figures are what XLA plans to allocate on the learner device.
+    compiler_options: XLA options for both compiles (jax's Lowered.compile), such as the tests' LLVM optimization
+    level, which leaves XLA's buffer assignment, hence these figures, as they are."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -506,7 +508,7 @@ def compile_learner(module, args, model, rollouts: tuple):
     update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts))
     module.update_minibatch = recording
     try:
-        compiled = update.lower(model["state"], rollouts).compile()
+        compiled = update.lower(model["state"], rollouts).compile(compiler_options)
     finally:
         module.update_minibatch = original
     # update_minibatch's batch and groups are per device, every array (groups, ...): the global ones have groups x
@@ -531,7 +533,7 @@ def compile_learner(module, args, model, rollouts: tuple):
             check_vma=False,
         )
     )
-    step_analysis = step.lower(model["state"], batch, columns, keys).compile().memory_analysis()
+    step_analysis = step.lower(model["state"], batch, columns, keys).compile(compiler_options).memory_analysis()
     analysis = compiled.memory_analysis()
     mib = 1 / 2**20
     memory = dict(
@@ -544,10 +546,10 @@ def compile_learner(module, args, model, rollouts: tuple):
     return compiled, memory
 
 
-def learner_memory(module, args) -> dict:
+def learner_memory(module, args, compiler_options: dict | None = None) -> dict:
     """compile_learner's memory figures from shapes only, for args already checked and sized."""
     model = build_model(module, args, shapes_only=True)
-    return compile_learner(module, args, model, rollout_structs(module, args, model))[1]
+    return compile_learner(module, args, model, rollout_structs(module, args, model), compiler_options)[1]
 
 
 def learner_phase(module, args, bench: BenchmarkArgs) -> dict:

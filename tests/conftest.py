@@ -121,10 +121,11 @@ def script_env(devices: int = 1, env: dict | None = None) -> dict:
         flags = f"{flags} {LLVM_UNOPTIMIZED}"
     environment["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     environment.setdefault("JAX_PLATFORMS", "cpu")
-    # Runs of the same tiny programs share compiled executables across the suite (same results, less time);
-    # one cache per pytest-xdist worker, so that no run reads an entry another worker is writing.
-    cache = f"jax-compilation-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
-    environment.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / cache))
+    # Runs of the same tiny programs share compiled executables across the suite (same results, less time), one
+    # cache for both pytest-xdist workers. A size limit turns on JAX's file lock around each read and write of an
+    # entry (jax._src.lru_cache), so that no run reads an entry another process is writing.
+    environment.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
+    environment.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
     environment.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the tiny programs compile in < 1 s
     environment["PYTHONUNBUFFERED"] = "1"
     return environment
