@@ -39,7 +39,7 @@ def make_rollout(script, agent, params, seed: int):
     obs = rng.integers(0, 256, size=(T + 1, N, *OBS_SHAPE), dtype=np.uint8)
     rewards = rng.choice(np.array([-1.0, 0.0, 1.0], np.float32), size=(T, N), p=[0.2, 0.5, 0.3])
     rewards[~valid] = 0.0
-    logits, _ = agent.apply(params, obs[:-1].reshape(T * N, *OBS_SHAPE))
+    logits, _ = jax.jit(agent.apply)(params, obs[:-1].reshape(T * N, *OBS_SHAPE))  # one compile, not one per op
     actions = rng.integers(0, logits.shape[-1], size=(T, N)).astype(np.int32)
     logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), actions.reshape(-1, 1), axis=1).reshape(T, N)
     return script.Rollout(

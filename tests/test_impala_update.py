@@ -71,13 +71,14 @@ def reference_iteration(agent, args, shuffle_key, params, nu, step: int, rollout
     """One iteration, the plain way. Returns params, RMSProp's mean squares, the step, the metrics of every
     minibatch and the global gradient norm of every minibatch (before clipping)."""
     grad_fn = jax.jit(jax.grad(lambda p, *batch: reference_loss(agent, args, p, *batch), has_aux=True))
+    apply = jax.jit(agent.apply)  # one compile, not one per op
     order = np.asarray(jax.random.permutation(jax.random.fold_in(shuffle_key, step), MINIBATCHES))
     metrics, norms = [], []
     for k in order:
         envs = np.flatnonzero(rollout.env_ids[0] % MINIBATCHES == k)
         obs, actions, logprobs = rollout.obs[:, envs], rollout.actions[:, envs], rollout.logprobs[:, envs]
         valid = rollout.valid[:, envs]
-        logits, values = agent.apply(params, obs.reshape(-1, *OBS_SHAPE))
+        logits, values = apply(params, obs.reshape(-1, *OBS_SHAPE))
         logp = np.asarray(jax.nn.log_softmax(logits)).reshape(T + 1, len(envs), -1)[:-1]
         rhos = np.exp(np.take_along_axis(logp, actions[..., None], axis=-1)[..., 0] - logprobs)
         values = np.asarray(values, np.float64).reshape(T + 1, len(envs))

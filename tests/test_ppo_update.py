@@ -59,7 +59,7 @@ def reference_loss(agent, args, params, obs, actions, logprobs, advantages, retu
 
 def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, rollout):
     """One iteration, the plain way. Returns params, optimizer state, step and the metrics of every minibatch."""
-    values = np.asarray(agent.apply(params, rollout.obs.reshape(-1, *OBS_SHAPE))[1]).reshape(T + 1, N)
+    values = np.asarray(jax.jit(agent.apply)(params, rollout.obs.reshape(-1, *OBS_SHAPE))[1]).reshape(T + 1, N)
     advantages = gae_loop(
         rollout.rewards, values, rollout.terminations, rollout.truncations, args.gamma, args.gae_lambda
     ).astype(np.float32)
@@ -68,6 +68,12 @@ def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, 
     learning_rate = args.learning_rate * (1 - iteration / args.num_iterations)
     optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(learning_rate, eps=1e-5))
     grad_fn = jax.jit(jax.grad(lambda p, *batch: reference_loss(agent, args, p, *batch), has_aux=True))
+
+    @jax.jit  # compiled once: run op by op, each op of each parameter's shape compiles on its own
+    def apply_optimizer(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     metrics, seen, first_step = [], [], step
     for epoch in range(EPOCHS):
         minibatches = reference_minibatches(shuffle_key, first_step, rollout.env_ids[0], epoch)
@@ -79,8 +85,7 @@ def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, 
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
             batch = (rollout.obs[t, j], rollout.actions[t, j], rollout.logprobs[t, j], adv, returns[t, j])
             grads, minibatch_metrics = grad_fn(params, *batch)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            params, opt_state = apply_optimizer(grads, opt_state, params)
             metrics.append(minibatch_metrics)
             step += 1
     every_sample = sorted((t, j) for t in range(T) for j in range(N))
