@@ -489,12 +489,14 @@ def rollout_structs(module, args, model) -> tuple:
     return (shapes,) * len(thread_slots(args))
 
 
-def compile_learner(module, args, model, rollouts: tuple, compiler_options: dict | None = None):
+def compile_learner(
+    module, args, model, rollouts: tuple, compiler_options: dict | None = None, minibatch_step: bool = True
+):
     """The script's learner update compiled for rollouts (arrays or ShapeDtypeStructs), and XLA's own memory
-    analysis of it and of one minibatch gradient step (update_minibatch on the batch shapes that the update hands
-    it, recorded while tracing). Nothing runs: the figures are what XLA plans to allocate on the learner device.
-    compiler_options: XLA options for both compiles (jax's Lowered.compile), such as the tests' LLVM optimization
-    level, which leaves XLA's buffer assignment, hence these figures, as they are."""
+    analysis of it and, with minibatch_step (a second compile), of one minibatch gradient step (update_minibatch on
+    the batch shapes that the update hands it, recorded while tracing). Nothing runs: the figures are what XLA plans
+    to allocate on the learner device. compiler_options: XLA options for both compiles (jax's Lowered.compile), such
+    as the tests' LLVM optimization level, which leaves XLA's buffer assignment, hence these figures, as they are."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -511,6 +513,15 @@ def compile_learner(module, args, model, rollouts: tuple, compiler_options: dict
         compiled = update.lower(model["state"], rollouts).compile(compiler_options)
     finally:
         module.update_minibatch = original
+    analysis = compiled.memory_analysis()
+    mib = 1 / 2**20
+    memory = dict(
+        update_temp_mib=analysis.temp_size_in_bytes * mib,
+        update_argument_mib=analysis.argument_size_in_bytes * mib,
+        update_output_mib=analysis.output_size_in_bytes * mib,
+    )
+    if not minibatch_step:
+        return compiled, memory
     # update_minibatch's batch and groups are per device, every array (groups, ...): the global ones have groups x
     # devices. The groups' static fields (exact, micro-batches) are those recorded.
     shapes, groups = recorded[0]
@@ -534,22 +545,16 @@ def compile_learner(module, args, model, rollouts: tuple, compiler_options: dict
         )
     )
     step_analysis = step.lower(model["state"], batch, columns, keys).compile(compiler_options).memory_analysis()
-    analysis = compiled.memory_analysis()
-    mib = 1 / 2**20
-    memory = dict(
-        update_temp_mib=analysis.temp_size_in_bytes * mib,
-        update_argument_mib=analysis.argument_size_in_bytes * mib,
-        update_output_mib=analysis.output_size_in_bytes * mib,
-        minibatch_step_temp_mib=step_analysis.temp_size_in_bytes * mib,
-    )
+    memory["minibatch_step_temp_mib"] = step_analysis.temp_size_in_bytes * mib
     memory["update_over_minibatch_step"] = memory["update_temp_mib"] / memory["minibatch_step_temp_mib"]
     return compiled, memory
 
 
-def learner_memory(module, args, compiler_options: dict | None = None) -> dict:
+def learner_memory(module, args, compiler_options: dict | None = None, minibatch_step: bool = True) -> dict:
     """compile_learner's memory figures from shapes only, for args already checked and sized."""
     model = build_model(module, args, shapes_only=True)
-    return compile_learner(module, args, model, rollout_structs(module, args, model), compiler_options)[1]
+    structs = rollout_structs(module, args, model)
+    return compile_learner(module, args, model, structs, compiler_options, minibatch_step)[1]
 
 
 def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
@@ -693,7 +698,7 @@ def traced_update(module, args, model) -> dict:
     import jax
 
     rollouts = learner_rollouts(module, args, model)
-    update = compile_learner(module, args, model, rollouts)[0]
+    update = compile_learner(module, args, model, rollouts, minibatch_step=False)[0]
     state = model["state"]
     state, _ = update(state, rollouts)  # the first call allocates what later ones reuse
     jax.block_until_ready(state)
