@@ -187,8 +187,8 @@ def test_learns_breakout_a_little(tmp_path):
     """Breakout learned in about 2 minutes of a 2-core CPU: IMPALA with a narrow ResNet (channels 4, 8, 8 and 64
     hidden units), 32 envs and a constant learning rate (annealed, it would fall to zero over this short run). The
     20-game mean return starts at random play's level (the first five logged means, to 19k steps, average below 2.1)
-    and leaves it: the last five, 38k-51k steps, average 2.2 or more. Measured (230 s of CPU; one actor thread, so the
-    same curve on every run): seed 2 went from 1.54 to 2.76, seed 1 from 1.28 to 2.35; with the policy gradient
+    and leaves it: the last five, 38k-51k steps, average 2.2 or more. Measured (220-250 s of CPU; seed 1 gave the same
+    curve on a second run): seed 2 went from 1.54 to 2.76, seed 1 from 1.28 to 2.35; with the policy gradient
     taken out of the loss, seed 2 from 1.68 to 1.66 and seed 1 from 1.61 to 1.72 (both fail)."""
     flags = ["--channels", "4", "8", "8", "--hidden-dim", "64", "--num-actor-threads", "1", "--local-num-envs", "32"]
     common = ["--env-id", "Breakout-v5", "--total-timesteps", "51200", "--no-anneal-lr", "--log-frequency", "5"]
