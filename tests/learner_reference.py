@@ -5,7 +5,8 @@ comparison of its params with the reference's."""
 import jax
 import numpy as np
 import tyro
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_advantages import episode_data
 
 T, N, MINIBATCHES = 8, 4, 2
@@ -60,7 +61,9 @@ def script_learner(script, args):
     agent = script.make_network(args, num_actions=18)
     init_key, shuffle_key = jax.random.split(jax.random.key(7))
     space = type("Space", (), {"shape": OBS_SHAPE, "dtype": np.uint8})
-    state = script.initial_state(agent, args, space, init_key)
+    # replicated over the mesh as the scripts place it: the update's outputs come back so, and the second iteration
+    # then finds the first one's program instead of compiling another for other input shardings
+    state = jax.device_put(script.initial_state(agent, args, space, init_key), NamedSharding(mesh, P()))
     return agent, shuffle_key, state, script.make_learner_update(agent, args, shuffle_key, mesh, 1)
 
 
