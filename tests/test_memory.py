@@ -39,7 +39,7 @@ NARROW = ["--channels", "4", "4", "4", "--hidden-dim", "16"]
 def test_memory_figures_do_not_depend_on_llvm_optimizations():
     """The same figures from the default compile and from one with LLVM's optimizations off (PPO on Breakout through
     a narrow ResNet, 8 envs x 32 steps, 2 micro-batches)."""
-    flags = [*SMALL_ATARI, "--channels", "4", "4", "4", "--hidden-dim", "16", "--gradient-accumulation-steps", "2"]
+    flags = [*SMALL_ATARI, *NARROW, "--gradient-accumulation-steps", "2"]
     default, unoptimized = (default_memory("ppo", *flags, compiler_options=o) for o in ({}, UNOPTIMIZED))
     assert default == unoptimized and default["update_temp_mib"] > 0, (default, unoptimized)
 
