@@ -169,17 +169,19 @@ def test_save_model_round_trip(script, tmp_path):
 
 # The README's CartPole demo commands (with more frequent logging): the 20-game mean return must reach `target`
 # within `within` env steps and end at `floor` or above (no collapse after the peak), on two seeds. A run's bits
-# depend on the CPU, so the bounds hold the curves of other seeds too: on a 2-core AMD EPYC (Zen 5), PPO's seeds 1 to 6
-# first reached 500 at 56k-77k steps and all ended there; IMPALA's passed 400 at 30k-45k and ended between 223 and 500
-# (seeds 4 and 5 fell to about 150 after their peak). Random play scores about 22.
+# depend on the CPU, so the bounds hold the curves of other seeds and CPUs too. On a 2-core AMD EPYC (Zen 5), PPO's
+# seeds 1 to 6 first reached 500 at 56k-77k steps and all ended there (61k-77k with XLA and the CPU kernels held to
+# AVX2: --xla_cpu_max_isa=AVX2, -march=znver3). IMPALA's seeds 1 to 12, on this CPU, held to AVX2, and 1 to 8 on
+# jax 0.12 (32 runs) passed 400 at 19k-61k and ended between 170 and 500 (23 at 475 or more); at the rate of 2e-3
+# before, 2 of 12 seeds held to AVX2 never passed 400 or passed it at 94k. Random play scores about 22.
 LEARNING = {
     "ppo": (
         ["--local-num-envs", "8", "--num-steps", "128", "--total-timesteps", "100000", "--learning-rate", "2.5e-3"],
         dict(target=500, within=90_000, floor=475),
     ),
     "impala": (
-        ["--local-num-envs", "16", "--num-minibatches", "2", "--total-timesteps", "120000", "--learning-rate", "2e-3"],
-        dict(target=400, within=70_000, floor=150),
+        ["--local-num-envs", "16", "--num-minibatches", "2", "--total-timesteps", "120000", "--learning-rate", "3e-3"],
+        dict(target=400, within=70_000, floor=100),
     ),
 }
 
