@@ -155,6 +155,19 @@ def run_script(
     )
 
 
+def start_script(script: str, args: list, cwd: Path, devices: int = 1, output=None) -> subprocess.Popen:
+    """Start a training script in cwd without waiting for it: its stdout and stderr in one pipe, or in the open file
+    `output` (for runs waited on together, so that none blocks on a full pipe)."""
+    return subprocess.Popen(
+        script_command(script, args),
+        cwd=cwd,
+        env=script_env(devices),
+        text=True,
+        stdout=output or subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

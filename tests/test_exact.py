@@ -23,9 +23,9 @@ from conftest import (
     run_dir,
     run_script,
     scalars,
-    script_command,
     script_env,
     start_pair,
+    start_script,
 )
 
 pytestmark = pytest.mark.xla_default  # the bits users get, on every layout
@@ -178,14 +178,7 @@ def test_resume_on_another_layout_is_exact(script, tmp_path):
     iterations = 60
     args = [*exact_args(script, "CartPole-v1", 2), "--checkpoint-frequency", "1000", "--run-name", "r"]
     args[args.index("--total-timesteps") + 1] = iterations * 2 * ENVS * SIZES[script, "CartPole-v1"][1]
-    first = subprocess.Popen(
-        script_command(script, args),
-        cwd=tmp_path,
-        env=script_env(DEVICES),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    first = start_script(script, args, tmp_path, devices=DEVICES)
     for line in first.stdout:  # stop once training is under way: SIGTERM checkpoints the last whole iteration
         if line.startswith("step "):
             first.send_signal(signal.SIGTERM)

@@ -21,9 +21,9 @@ from conftest import (
     run_dir,
     run_script,
     scalars,
-    script_command,
     script_env,
     start_pair,
+    start_script,
 )
 
 # Runs a training script on envs whose observations never change (one fixed vector per env id, from the real env's
@@ -72,17 +72,6 @@ def long_args(script, iterations=100_000):
     return [*TINY[script], "--local-num-envs", 8, "--num-actor-threads", 1, "--total-timesteps", iterations * 8 * steps]
 
 
-def start(script, args, cwd, devices=1):
-    return subprocess.Popen(
-        script_command(script, args),
-        cwd=cwd,
-        env=script_env(devices),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
 def wait_for_training(process) -> list:
     """Read output until the first progress line (training is under way)."""
     lines = []
@@ -125,7 +114,9 @@ def test_actor_fault_ends_the_run(script, tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
-    process = start(script, [*long_args(script), "--checkpoint-frequency", 10_000, "--run-name", "sig"], tmp_path)
+    process = start_script(
+        script, [*long_args(script), "--checkpoint-frequency", 10_000, "--run-name", "sig"], tmp_path
+    )
     wait_for_training(process)
     output = stop_and_wait(process, signum)
     assert process.returncode == 128 + signum, output
@@ -192,7 +183,7 @@ def test_kill_during_checkpointing_leaves_a_readable_checkpoint(tmp_path):
     """kill -9 at arbitrary moments of a run that checkpoints every iteration: the checkpoint always loads."""
     path = tmp_path / "runs" / "kill" / "checkpoint.msgpack"
     for delay in [0.0, 0.05, 0.13]:
-        process = start(
+        process = start_script(
             "ppo", [*long_args("ppo"), "--checkpoint-frequency", 1, "--run-name", "kill", "--hidden-dim", 256], tmp_path
         )
         wait_for_training(process)
@@ -211,7 +202,7 @@ def test_resume_continues_the_run(script, tmp_path):
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     iterations = 120
     args = [*long_args(script, iterations), "--checkpoint-frequency", 7, "--run-name", "resume"]
-    process = start(script, args, tmp_path)
+    process = start_script(script, args, tmp_path)
     wait_for_training(process)
     for line in process.stdout:  # until a game has ended, so that the checkpoint has some in its window
         if re.search(r"\| return \d", line):
@@ -312,7 +303,7 @@ def test_signal_after_the_last_iteration_leaves_its_checkpoint(script, tmp_path)
     same final params instead of training again from iteration 3."""
     iterations = 5
     args = [*long_args(script, iterations), "--checkpoint-frequency", 3, "--save-model", "--run-name", "e"]
-    process = start(script, [*args, "--eval-episodes", 1_000_000], tmp_path)
+    process = start_script(script, [*args, "--eval-episodes", 1_000_000], tmp_path)
     lines = []
     for line in process.stdout:
         lines.append(line)

@@ -1,7 +1,6 @@
 """Both training scripts, run as subprocesses with tiny settings on several device layouts."""
 
 import math
-import subprocess
 
 import numpy as np
 import pytest
@@ -14,8 +13,7 @@ from conftest import (
     run_dir,
     run_script,
     scalars,
-    script_command,
-    script_env,
+    start_script,
 )
 
 # Every layout runs the same 8 envs in total with the same seed, so besides training on its own it must
@@ -218,10 +216,7 @@ def test_learns_breakout_a_little(tmp_path):
             directory.mkdir()
             args = [*flags, *common, "--log-frequency", "5", "--seed", seed]
             with open(directory / "output.txt", "w") as output:
-                command, env = script_command("impala", args), script_env()
-                runs.append(
-                    (directory, subprocess.Popen(command, cwd=directory, env=env, stdout=output, stderr=output))
-                )
+                runs.append((directory, start_script("impala", args, directory, output=output)))
         for directory, process in runs:
             process.wait(timeout=600 * SLOWDOWN)
             assert process.returncode == 0, (directory / "output.txt").read_text()
