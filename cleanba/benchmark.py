@@ -104,6 +104,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cleanba.startup import hide_cuda_plugin
+
+hide_cuda_plugin()  # before anything imports JAX: no CUDA plugin noise where the machine has no GPU
+
 import numpy as np
 import tyro
 
@@ -342,7 +346,7 @@ def build_model(module, args, shapes_only: bool = False):
 
     from cleanba.plumbing import check_devices
 
-    check_devices(args, len(jax.local_devices()))
+    check_devices(args)
     local_devices = jax.local_devices()
     learner_devices = [local_devices[i] for i in args.learner_device_ids]
     mesh = Mesh(np.array(learner_devices), ("learner",))

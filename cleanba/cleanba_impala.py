@@ -676,7 +676,7 @@ def start(args: Args) -> Run:
         add_xla_flags("--xla_gpu_deterministic_ops=true")
     if args.distributed:  # before anything touches a device
         initialize_distributed(args)
-    plumbing.check_devices(args, len(jax.local_devices()))
+    plumbing.check_devices(args)
     fill_runtime_sizes(args, jax.process_count(), jax.process_index())
     run = Run()
     run.args, run.stop = args, Stop()

@@ -24,6 +24,10 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from cleanba.startup import hide_cuda_plugin
+
+hide_cuda_plugin()  # before anything imports JAX: no CUDA plugin noise where the machine has no GPU
+
 import numpy as np
 import tyro
 

@@ -73,12 +73,19 @@ def shape_on(sharding, x):
 
 
 def ptxas_dir() -> str:
-    """The CUDA directory of the nvidia-cuda-nvcc-cu12 wheel (bin/ptxas), which the gpu-compile group installs."""
+    """The CUDA directory of the nvidia-cuda-nvcc-cu12 wheel (bin/ptxas), which the gpu-compile group installs with
+    JAX's CUDA plugin. Without the group: one line naming it (exit 2)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-    if spec is None or not spec.submodule_search_locations:
-        fail("no ptxas: install the gpu-compile group (`poetry install --with gpu-compile`)")
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:  # not even the nvidia namespace: no NVIDIA wheel is installed
+        spec = None
+    if spec is None or not spec.submodule_search_locations or not startup.cuda_plugin_installed():
+        fail(
+            "compiling for a GPU needs JAX's CUDA plugin and ptxas, which this environment lacks: install the "
+            "gpu-compile group (`poetry install --compile --with gpu-compile`)"
+        )
     return next(iter(spec.submodule_search_locations))
 
 
@@ -249,10 +256,11 @@ def main(argv: list):
     compile_args = tyro.cli(CompileArgs, args=own)
     if compile_args.processes < 1:
         fail(f"--processes={compile_args.processes}: give 1 or more")
+    ptxas = ptxas_dir()  # before the script loads: without the gpu-compile group nothing below can run
     module = load_script(resolve_script(compile_args.script))
     args = tyro.cli(module.Args, args=flags, prog=f"{compile_args.script} flags")
     module.check_args(args)
-    flags = [f"--xla_gpu_cuda_data_dir={ptxas_dir()}"]  # the lock's ptxas, not one a CUDA toolkit put on PATH
+    flags = [f"--xla_gpu_cuda_data_dir={ptxas}"]  # the lock's ptxas, not one a CUDA toolkit put on PATH
     if args.exact:  # as the scripts' main does, before the backend starts
         flags.append("--xla_gpu_deterministic_ops=true")
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()

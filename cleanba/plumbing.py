@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from tensorboardX import SummaryWriter
 
 from cleanba.reductions import split_envs
-from cleanba.startup import memory_fraction
+from cleanba.startup import GPU_DRIVERS, GPU_INSTALL, cuda_plugin_installed, describe_gpus, memory_fraction, nvidia_gpus
 
 
 def fail(message: str):
@@ -136,7 +136,30 @@ def actor_threads(args) -> int:
     return len(args.actor_device_ids) * args.num_actor_threads
 
 
-def check_devices(args, num_local_devices: int):
+def check_gpu_backend():
+    """Refuse to train on the CPU of a machine that shows NVIDIA GPUs (a GPU node with the CPU install, or a CUDA
+    plugin that failed to start): such a run would take days and say nothing. JAX_PLATFORMS=cpu trains on the CPU
+    anyway. Without a CUDA plugin this fails before JAX starts a backend (and prints its own warning)."""
+    gpus = nvidia_gpus()
+    if not gpus or os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return
+    if not cuda_plugin_installed():
+        why = "no CUDA plugin is installed"
+    elif jax.default_backend() == "cpu":
+        why = "its CUDA plugin did not start: see JAX's message above"
+    else:
+        return
+    fail(
+        f"this machine shows {describe_gpus(gpus)}, but JAX has no GPU backend ({why}), so this run would train on "
+        f"the CPU: install JAX for CUDA with `{GPU_INSTALL}` ({GPU_DRIVERS}), or set JAX_PLATFORMS=cpu to train on "
+        f"the CPU anyway"
+    )
+
+
+def check_devices(args):
+    """The device ids the flags name exist in this process, on the GPU where the machine shows one."""
+    check_gpu_backend()
+    num_local_devices = len(jax.local_devices())
     for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
         if max(ids) >= num_local_devices:
             fail(
@@ -482,13 +505,14 @@ def print_start(args, run_dir: Path, blocks: tuple):
     """The start line of a run (process 0): its sizes, devices, logs and versions; with --exact, where its bits hold.
     blocks: (classes, block) of reductions.env_blocks, how the learner devices split an actor thread's envs."""
     block, num_learner_devices = blocks[1], args.world_size * len(args.learner_device_ids)
+    kind = jax.local_devices()[args.learner_device_ids[0]].device_kind  # "cpu", "NVIDIA H100 80GB HBM3"
     shards = split_envs(np.arange(args.local_num_envs), len(args.learner_device_ids), *blocks)
     pads = sum(len(pad_ids) for _, pad_ids in shards)  # masked pad envs per actor thread
     padding = f" (+{pads} masked pad envs per actor thread to split evenly)" if pads else ""
     print(
         f"{run_dir.name}: {args.num_iterations} iterations of batch_size={args.batch_size} "
         f"(num_envs={args.num_envs}, minibatch_size={args.minibatch_size}), learner on "
-        f"{num_learner_devices} device(s){padding}, logs in {run_dir}; jax {jax.__version__} (jaxlib "
+        f"{num_learner_devices} x {kind}{padding}, logs in {run_dir}; jax {jax.__version__} (jaxlib "
         f"{version('jaxlib')}), XLA_FLAGS: {os.environ.get('XLA_FLAGS') or 'none'}",
         flush=True,
     )

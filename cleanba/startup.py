@@ -7,17 +7,26 @@
   the process with one line naming what to install (exit status 1), instead of a traceback from inside an import.
 - EnvPool, imported with the env families the scripts train on registered (import_envpool), and rlax without the
   distribution libraries that the scripts do not use (import_rlax).
+- NVIDIA GPUs as the machine shows them (nvidia_gpus): where it shows none, JAX's CUDA plugin is hidden from JAX
+  (hide_cuda_plugin), as it could only fail and print its failure; where it shows some, the scripts refuse to train
+  on the CPU (plumbing.check_gpu_backend).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
 import types
 import typing
+import warnings
+from collections import Counter
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 PYTHONS = ((3, 11), (3, 14))  # the oldest and newest minor versions pyproject.toml's requires-python admits
 MEM_FRACTION = "0.6"  # of an accelerator's memory for this process's allocator, unless the user sets one
@@ -79,6 +88,80 @@ def import_rlax():
             del sys.modules["distrax"]  # the real one stays importable
 
 
+# ---- NVIDIA GPUs, as the machine shows them before JAX starts
+
+CUDA_PLUGINS = ("cuda12", "cuda13")  # JAX's CUDA plugins: jax_plugins.xla_<cuda> (PJRT) and jax_<cuda>_plugin (kernels)
+# The README's GPU install: JAX's CUDA 12 build runs on NVIDIA drivers 525 and later (CUDA's minor-version
+# compatibility), its CUDA 13 build on 580 and later (pyproject.toml's cuda12 and cuda13 groups).
+GPU_INSTALL = "poetry install --compile --with cuda12"
+GPU_DRIVERS = "NVIDIA driver 525 or later; --with cuda13 for driver 580 or later"
+# The values of CUDA_VISIBLE_DEVICES that hide every GPU: a user who sets one has chosen no GPU.
+NO_GPU_VALUES = ("", "-1", "none", "NoDevFiles")
+
+
+def nvidia_gpus() -> list:
+    """The NVIDIA GPUs this machine shows, one name each where it gives names ("NVIDIA H100 80GB HBM3"), else one
+    line saying where it shows them: the driver's /proc files, nvidia-smi, the driver's device files, or GPUs given to
+    this process by SLURM or CUDA_VISIBLE_DEVICES. Empty where it shows none, or where CUDA_VISIBLE_DEVICES hides
+    them all. The cheap signs first: on a GPU machine nvidia-smi runs only when the driver's files give no names."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in NO_GPU_VALUES:
+        return []
+    names = []
+    for information in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        for line in information.read_text(errors="replace").splitlines():
+            if line.startswith("Model:"):
+                names.append(line.split(":", 1)[1].strip())
+    if names:
+        return names
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        try:
+            listing = subprocess.run(
+                [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            listing = ""
+        names = [line.strip() for line in listing.splitlines() if line.strip()]
+        if names:
+            return names
+    devices = sorted(str(d) for d in Path("/dev").glob("nvidia[0-9]*"))
+    devices += [d for d in ("/dev/nvidiactl", "/dev/dxg", "/proc/driver/nvidia") if os.path.exists(d)]
+    if devices:
+        return [f"an NVIDIA GPU ({devices[0]})"]
+    for variable in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
+        if os.environ.get(variable, "").strip() not in NO_GPU_VALUES:
+            return [f"GPUs given to this process ({variable}={os.environ[variable]})"]
+    return []
+
+
+def describe_gpus(gpus: list) -> str:
+    """nvidia_gpus() in a few words: "4 x NVIDIA H100 80GB HBM3"."""
+    return ", ".join(f"{count} x {name}" if count > 1 else name for name, count in Counter(gpus).items())
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is installed: the CPU install (`poetry install`) has none."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_{cuda}") is not None for cuda in CUDA_PLUGINS)
+
+
+def hide_cuda_plugin():
+    """Where the machine shows no NVIDIA GPU, hide JAX's CUDA plugin (the gpu-compile group installs it, without the
+    CUDA runtime) from JAX: it could only fail, and it prints its failure into every run (absl warnings as jaxlib
+    imports its kernels, a traceback as JAX starts the plugin). JAX then starts its CPU backend as it does without
+    the plugin. Left alone where the user names JAX's platforms (JAX_PLATFORMS; gpu_compile sets it and compiles with
+    the plugin) or JAX is already imported."""
+    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or "jaxlib" in sys.modules or nvidia_gpus():
+        return
+    for cuda in CUDA_PLUGINS:
+        sys.modules.setdefault(f"jax_{cuda}_plugin", None)  # jaxlib then imports none of its kernels (ImportError)
+        stand_in = types.ModuleType(f"jax_plugins.xla_{cuda}")  # what JAX imports and starts: a plugin that is not
+        stand_in.initialize = lambda: None
+        sys.modules.setdefault(stand_in.__name__, stand_in)
+
+
 def add_xla_flags(*flags: str):
     """Append XLA flags the user has not set (XLA reads them when a backend starts). The only place that edits them."""
     for xla_flag in flags:
@@ -124,6 +207,7 @@ def envpool_version() -> str:
 
 def prepare_process():
     """Check the Python and EnvPool, then set XLA's environment. Exits with one line where something is missing."""
+    hide_cuda_plugin()  # before anything imports JAX (rlax does)
     problem = python_problem()
     if problem is None:
         try:
@@ -140,6 +224,8 @@ def prepare_process():
     if problem is not None:
         print(f"{os.path.basename(sys.argv[0]) or 'cleanba'}: error: {problem}", file=sys.stderr)
         sys.exit(1)
+    # EnvPool's classic-control specs give float64 bounds to float32 boxes; gymnasium warns of it at every make.
+    warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered by casting", category=UserWarning)
     if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:  # the old and new names conflict when both are set
         os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", MEM_FRACTION)
     # XLA:CPU computes the weight gradients of convolutions 5-30x slower than the convolutions themselves (860 ms
