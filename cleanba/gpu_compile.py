@@ -38,6 +38,7 @@ from typing import Literal
 # is reached through a topology below, not through a backend.
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import jax  # before cleanba's modules, which hide the CUDA plugin from JAX where the machine shows no GPU
 import tyro
 
 from cleanba import startup
@@ -67,8 +68,6 @@ class CompileArgs:
 
 def shape_on(sharding, x):
     """x's shape and dtype, placed on sharding: an argument of a program compiled from shapes."""
-    import jax
-
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
@@ -112,7 +111,6 @@ def hosts_of(topology) -> list:
 def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     """The script's learner update and policy step compiled for the topology's GPUs, and what each GPU needs."""
     import envpool
-    import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
     from jax.sharding import PartitionSpec as P
@@ -181,7 +179,6 @@ def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_
     """Flops of one update on one learner device: XLA's cost analysis of the same update (the GPU's network), for one
     device's share of the rollouts, lowered for the CPU (before optimization; nothing is compiled). The GPU program
     has no cost analysis, and after optimization its cuDNN and cuBLAS calls would count no flops."""
-    import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -151,9 +151,10 @@ def hide_cuda_plugin():
     """Where the machine shows no NVIDIA GPU, hide JAX's CUDA plugin (the gpu-compile group installs it, without the
     CUDA runtime) from JAX: it could only fail, and it prints its failure into every run (absl warnings as jaxlib
     imports its kernels, a traceback as JAX starts the plugin). JAX then starts its CPU backend as it does without
-    the plugin. Left alone where the user names JAX's platforms (JAX_PLATFORMS; gpu_compile sets it and compiles with
-    the plugin) or JAX is already imported."""
-    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or "jaxlib" in sys.modules or nvidia_gpus():
+    the plugin. Left alone where JAX_PLATFORMS names another platform than the CPU, or JAX is already imported
+    (gpu_compile imports it first: it compiles for GPUs through the plugin)."""
+    platforms = (os.environ.get("JAX_PLATFORMS") or "cpu").strip().lower()
+    if platforms != "cpu" or "jax" in sys.modules or "jaxlib" in sys.modules or nvidia_gpus():
         return
     for cuda in CUDA_PLUGINS:
         sys.modules.setdefault(f"jax_{cuda}_plugin", None)  # jaxlib then imports none of its kernels (ImportError)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import envpool
 import pytest
-from conftest import ROOT, SCRIPTS, run_script, script_env
+from conftest import ROOT, SCRIPTS, in_mount_namespace, run_script, script_env
 
 from cleanba import startup
 
@@ -243,3 +243,31 @@ def test_every_numeric_flag_has_a_checked_range(script, capsys):
             assert refused.value.code == 2, (name, value)
             message = capsys.readouterr().err
             assert f"--{name.replace('_', '-')}={value}" in message and interval in message, message
+
+
+def check_tool_refused(process, *fragments):
+    """A tool (python -m cleanba.X) refused before it started: exit 2, one line on stderr naming the fix."""
+    assert process.returncode == 2, process.stderr
+    (line,) = process.stderr.strip().splitlines()
+    assert "error:" in line and "Traceback" not in process.stderr and process.stdout == "", process.stderr
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+
+
+def test_gpu_compile_without_its_group_is_one_line(tmp_path):
+    """python -m cleanba.gpu_compile after the CPU install: JAX's CUDA plugin and NVIDIA's wheels hidden in a mount
+    namespace, as if never installed."""
+    command = [sys.executable, "-m", "cleanba.gpu_compile", "--script", "ppo", "--", "--env-id", "CartPole-v1"]
+    process = subprocess.run(
+        in_mount_namespace(command), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120
+    )
+    check_tool_refused(process, "JAX's CUDA plugin and ptxas", "`poetry install --compile --with gpu-compile`")
+
+
+def test_evaluate_upload_without_a_hub_login_is_one_line(tmp_path):
+    model = tmp_path / "trained.cleanba_model"
+    model.write_bytes(b"")  # refused before it is read
+    env = script_env(env={"HF_TOKEN": "", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    command = [sys.executable, "-m", "cleanba.evaluate", str(model), "--upload-model"]
+    process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    check_tool_refused(process, "--upload-model needs a Hugging Face token", "hf auth login")

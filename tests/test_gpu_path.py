@@ -177,16 +177,18 @@ print(jax.default_backend(), getattr(sys.modules.get("jax_plugins.xla_cuda12"), 
 """
 
 
-@pytest.mark.parametrize("gpu", [None, FAKE_GPU])
-def test_the_scripts_leave_the_cuda_plugin_to_jax_where_the_machine_shows_a_gpu(gpu, tmp_path):
-    """What a script's start-up tells JAX: where the machine shows no GPU, a stand-in for the CUDA plugin (nothing to
-    start, nothing printed); where it shows one, JAX imports and starts the installed plugin (here without the CUDA
-    runtime, so it fails, says so, and JAX falls back to the CPU)."""
+@pytest.mark.parametrize(("gpu", "platforms"), [(None, None), (None, "cpu"), (FAKE_GPU, None)])
+def test_the_scripts_leave_the_cuda_plugin_to_jax_where_the_machine_shows_a_gpu(gpu, platforms, tmp_path):
+    """What a script's start-up tells JAX: where the machine shows no GPU (JAX_PLATFORMS unset or cpu), a stand-in
+    for the CUDA plugin (nothing to start, nothing printed); where it shows one, JAX imports and starts the installed
+    plugin (here without the CUDA runtime, so it fails, says so, and JAX falls back to the CPU). gpu_compile's use of
+    the plugin: tests/test_gpu_compile.py."""
     assert startup.cuda_plugin_installed(), "the README's test line installs the gpu-compile group"
     command = in_mount_namespace([sys.executable, "-c", PLUGIN], gpu=gpu, cpu_install=False)
-    process = subprocess.run(
-        command, cwd=ROOT, env=without_jax_platforms(), capture_output=True, text=True, timeout=120
-    )
+    env = without_jax_platforms()
+    if platforms is not None:
+        env["JAX_PLATFORMS"] = platforms
+    process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr
     backend, plugin = process.stdout.split()
     assert backend == "cpu", process.stdout
