@@ -168,36 +168,37 @@ def start_script(script: str, args: list, cwd: Path, devices: int = 1, output=No
     )
 
 
-# JAX's CUDA plugin and NVIDIA's wheels, as the gpu-compile group installs them (the README's test line).
-CUDA_PACKAGES = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "nvidia")
+# JAX's CUDA plugin and NVIDIA's wheels, as the gpu-compile and cuda groups install them (the README's test line
+# installs the first), with their metadata.
+CUDA_PACKAGES = ("jax_plugins", "jax_cuda1*", "nvidia", "nvidia_*")
 FAKE_GPU = "NVIDIA H100 80GB HBM3"
 
 
-def installed_cuda_packages() -> list:
-    """The directories of CUDA_PACKAGES in this environment."""
-    import importlib.util
+def in_mount_namespace(command: list, scratch: Path, gpu: str | None = None, cpu_install: bool = True) -> list:
+    """command in a private mount namespace (root; nothing outside it sees its mounts): with gpu, the NVIDIA driver's
+    /proc files naming one GPU of that model, as a GPU node shows them; with cpu_install, this environment's
+    site-packages without CUDA_PACKAGES (an overlay over it, their files removed in the overlay's layer in scratch), as
+    after the README's CPU install."""
+    import jax
 
-    directories = []
-    for name in CUDA_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        directories += list(spec.submodule_search_locations or []) if spec else []
-    return directories
-
-
-def in_mount_namespace(command: list, gpu: str | None = None, cpu_install: bool = True) -> list:
-    """command in a private mount namespace (root; nothing outside it sees the mounts): with gpu, the NVIDIA driver's
-    /proc files naming one GPU of that model, as a GPU node shows them; with cpu_install, JAX's CUDA plugin and
-    NVIDIA's wheels hidden under empty mounts, as after the README's CPU install."""
     lines = ["set -e"]
     if gpu is not None:
         information = "/proc/driver/nvidia/gpus/0000:00:04.0"
         lines += [
             "mount -t tmpfs tmpfs /proc/driver",
             f"mkdir -p {information}",
-            f"printf 'Model: \t\t %s\nIRQ: \t\t 42\n' '{gpu}' > {information}/information",
+            f"printf 'Model: \\t\\t %s\\nIRQ: \\t\\t 42\\n' '{gpu}' > {information}/information",
         ]
     if cpu_install:
-        lines += [f"mount -t tmpfs tmpfs '{directory}'" for directory in installed_cuda_packages()]
+        site = Path(jax.__file__).parents[1]
+        layer = scratch / "overlay"
+        layer.mkdir()
+        lines += [
+            f"mount -t tmpfs tmpfs '{layer}'",
+            f"mkdir '{layer}/upper' '{layer}/work'",
+            f"mount -t overlay overlay -o 'lowerdir={site},upperdir={layer}/upper,workdir={layer}/work' '{site}'",
+            f"(cd '{site}' && rm -rf {' '.join(CUDA_PACKAGES)})",
+        ]
     lines.append('exec "$@"')
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(lines), "sh", *map(str, command)]
 

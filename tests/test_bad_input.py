@@ -259,7 +259,7 @@ def test_gpu_compile_without_its_group_is_one_line(tmp_path):
     namespace, as if never installed."""
     command = [sys.executable, "-m", "cleanba.gpu_compile", "--script", "ppo", "--", "--env-id", "CartPole-v1"]
     process = subprocess.run(
-        in_mount_namespace(command), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120
+        in_mount_namespace(command, tmp_path), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120
     )
     check_tool_refused(process, "JAX's CUDA plugin and ptxas", "`poetry install --compile --with gpu-compile`")
 

@@ -110,7 +110,7 @@ def test_gpu_node_with_the_cpu_install_stops_before_training(sign, script, tmp_p
     """The README's training line on a GPU node after the CPU install: one line naming the GPU it saw, the GPU
     install line (the README's) and JAX_PLATFORMS=cpu; exit 2; nothing started."""
     gpu, env = gpu_node_env(tmp_path, sign)
-    command = in_mount_namespace(script_command(script, [*TINY[script], *TINY_RUN]), gpu=gpu)
+    command = in_mount_namespace(script_command(script, [*TINY[script], *TINY_RUN]), tmp_path, gpu=gpu)
     process = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert process.returncode == 2, process.stderr
     (line,) = process.stderr.strip().splitlines()
@@ -127,7 +127,7 @@ def test_a_gpu_node_trains_on_the_cpu_when_told(choice, tmp_path):
     on what."""
     gpu, env = gpu_node_env(tmp_path, "driver")
     env.update(choice)
-    command = in_mount_namespace(script_command("ppo", [*TINY["ppo"], *TINY_RUN]), gpu=gpu)
+    command = in_mount_namespace(script_command("ppo", [*TINY["ppo"], *TINY_RUN]), tmp_path, gpu=gpu)
     process = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert process.returncode == 0, process.stderr
     assert "learner on 1 x cpu, logs in" in process.stdout, process.stdout
@@ -184,7 +184,7 @@ def test_the_scripts_leave_the_cuda_plugin_to_jax_where_the_machine_shows_a_gpu(
     plugin (here without the CUDA runtime, so it fails, says so, and JAX falls back to the CPU). gpu_compile's use of
     the plugin: tests/test_gpu_compile.py."""
     assert startup.cuda_plugin_installed(), "the README's test line installs the gpu-compile group"
-    command = in_mount_namespace([sys.executable, "-c", PLUGIN], gpu=gpu, cpu_install=False)
+    command = in_mount_namespace([sys.executable, "-c", PLUGIN], tmp_path, gpu=gpu, cpu_install=False)
     env = without_jax_platforms()
     if platforms is not None:
         env["JAX_PLATFORMS"] = platforms
