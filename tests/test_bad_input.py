@@ -26,6 +26,31 @@ CASES = {
     "negative steps": (["--num-steps", "-4"], 1, "--num-steps=-4", "[1, inf)"),
     "discount above 1": (["--gamma", "1.5"], 1, "--gamma=1.5", "[0, 1]"),
     "NaN learning rate": (["--learning-rate", "nan"], 1, "--learning-rate=nan", "(0, inf)"),
+    "a channel count of zero": (["--channels", "16", "0", "32"], 1, "--channels 16 0 32", "positive channel counts"),
+    "a negative channel count": (["--channels", "-4"], 1, "--channels -4", "positive channel counts"),
+    "no channels": (["--channels"], 1, "--channels", "one or more positive"),
+    "coordinator without --distributed": (
+        ["--coordinator-address", "127.0.0.1:1234"],
+        1,
+        "--coordinator-address only apply",
+        "add --distributed",
+    ),
+    "process count without --distributed": (
+        ["--num-processes", "2", "--process-id", "0"],
+        1,
+        "--num-processes --process-id only apply",
+        "add --distributed",
+    ),
+    "process count alone": (["--distributed", "--num-processes", "2"], 1, "--num-processes and --process-id together"),
+    "process id alone": (["--distributed", "--process-id", "0"], 1, "--num-processes and --process-id together"),
+    "process id out of range": (  # would wait forever in jax.distributed.initialize for a rank that never comes
+        ["--distributed", "--num-processes", "2", "--process-id", "2"],
+        1,
+        "--process-id=2 must be in 0..1",
+    ),
+    "negative process id": (["--distributed", "--num-processes", "2", "--process-id", "-1"], 1, "--process-id=-1"),
+    "resume without a run name": (["--resume"], 1, "--resume needs --run-name"),
+    "resume with no checkpoint": (["--resume", "--run-name", "never-saved"], 1, "--resume: no checkpoint at"),
 }
 MINIBATCH_CASE = {  # the constraint each algorithm puts on minibatch sizes
     "ppo": (["--num-steps", "10", "--num-minibatches", "4"], "--num-steps=10", "multiple of 4"),
@@ -59,6 +84,27 @@ def test_refused(script, case, tmp_path):
 def test_minibatch_sizes_refused(script, tmp_path):
     flags, *fragments = MINIBATCH_CASE[script]
     process = run_script(script, ["--env-id", "CartPole-v1", "--learner-device-ids", "0", *flags], tmp_path, timeout=60)
+    check_refused(process, *fragments)
+
+
+ALGORITHM_CASES = {  # what each algorithm's check_algorithm refuses besides MINIBATCH_CASE
+    "ppo micro-batches that do not divide the steps": (
+        "ppo",
+        ["--num-steps", "16", "--num-minibatches", "2", "--gradient-accumulation-steps", "3"],
+        "--num-steps=16 must be divisible by --num-minibatches x --gradient-accumulation-steps = 6",
+    ),
+    "impala exact groups that micro-batches do not divide": (
+        "impala",
+        ["--exact", "--group-envs", "3", "--gradient-accumulation-steps", "2"],
+        "--group-envs=3 must be divisible by --gradient-accumulation-steps=2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ALGORITHM_CASES))
+def test_algorithm_flags_refused(case, tmp_path):
+    script, flags, *fragments = ALGORITHM_CASES[case]
+    process = run_script(script, ["--env-id", "CartPole-v1", *flags], tmp_path, timeout=60)
     check_refused(process, *fragments)
 
 
