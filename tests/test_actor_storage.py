@@ -151,3 +151,37 @@ def test_scores_are_raw_and_per_game(recorded):
         assert (returns[over] != clipped[over]).any(), (returns[over], clipped[over])
     else:  # one score per game, over several learning episodes (lives)
         assert max(lives_per_game) > 1, lives_per_game
+
+
+# The papers' Atari settings (../shared/NOTES.md): Machado et al. 2018, section 5 ("Revisiting the ALE"; the Cleanba
+# paper's appendix A): sticky actions with probability 0.25, the full action set of 18, no life-loss signal, no
+# no-op starts beyond one, 108,000 frames (27,000 agent steps) per episode at most. Espeholt et al. 2018 (IMPALA): a
+# lost life ends the learning episode, up to 30 no-ops at the start, the game's minimal action set, no sticky
+# actions. Both: 84x84 grey frames, 4 stacked, an action repeated over 4 frames, rewards clipped to their sign.
+PROTOCOLS = {
+    "machado": dict(repeat_action_probability=0.25, episodic_life=False, noop_max=1, actions=18),
+    "impala": dict(repeat_action_probability=0.0, episodic_life=True, noop_max=30, actions=4),  # Breakout's minimal set
+}
+COMMON = dict(img_height=84, img_width=84, stack_num=4, frame_skip=4, gray_scale=True, reward_clip=True)
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+@pytest.mark.parametrize("script", ["ppo", "impala"])
+def test_each_protocol_builds_the_papers_envs(script, protocol):
+    """The envs an actor thread makes (the script's make_env) under each --atari-protocol, read back from EnvPool."""
+    import importlib
+
+    import tyro
+
+    module = importlib.import_module(f"cleanba.cleanba_{script}")
+    args = tyro.cli(module.Args, args=["--env-id", "Breakout-v5", "--atari-protocol", protocol])
+    envs = module.make_env(args, 2, seed=1)
+    try:
+        config, expected = envs.config, dict(PROTOCOLS[protocol])
+        assert envs.action_space.n == expected.pop("actions")
+        assert config["max_episode_steps"] == 108_000 // 4
+        for key, value in {**expected, **COMMON}.items():
+            assert config[key] == value, (key, config[key], value)
+        assert envs.observation_space.shape == (4, 84, 84)
+    finally:
+        envs.close()
