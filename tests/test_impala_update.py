@@ -125,3 +125,21 @@ def test_two_iterations_match_the_plain_reference(extra):
         assert_params_match(state.params, params, before)
     if args.max_grad_norm < 1:
         assert max(norms) > args.max_grad_norm, "the clipped case should clip"
+
+
+def test_defaults_and_optimizer_are_the_papers():
+    """IMPALA's defaults (the Cleanba paper's appendix A, TorchBeast) and the optimizer the script builds from them,
+    read back from its state: RMSProp with decay 0.99 and eps 0.01 at 6e-4, annealed linearly to 0 (eps outside the
+    square root: the reference test above writes PyTorch's update out); gradients clipped to a global norm of 40."""
+    import tyro
+
+    args = tyro.cli(cleanba_impala.Args, args=[])
+    defaults = dict(learning_rate=6e-4, rmsprop_decay=0.99, rmsprop_eps=0.01, max_grad_norm=40.0, ent_coef=0.01)
+    defaults |= dict(vf_coef=0.5, gamma=0.99, num_steps=20, local_num_envs=64, num_actor_threads=2, num_minibatches=4)
+    defaults |= dict(anneal_lr=True, concurrency=True, total_timesteps=50_000_000)
+    assert {name: getattr(args, name) for name in defaults} == defaults
+    args = make_args(cleanba_impala, [])
+    _, _, state, _ = script_learner(cleanba_impala, args)
+    (hyperparams,) = [part.hyperparams for part in state.opt_state if hasattr(part, "hyperparams")]
+    for name, value in dict(decay=0.99, eps=0.01, initial_scale=0.0, learning_rate=6e-4).items():
+        assert float(hyperparams[name]) == pytest.approx(value, rel=1e-6), name

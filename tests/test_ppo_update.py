@@ -58,7 +58,8 @@ def reference_loss(agent, args, params, obs, actions, logprobs, advantages, retu
 
 
 def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, rollout):
-    """One iteration, the plain way. Returns params, optimizer state, step and the metrics of every minibatch."""
+    """One iteration, the plain way. Returns params, optimizer state, step, the metrics of every minibatch and the
+    global norm of every minibatch's gradient (before clipping)."""
     values = np.asarray(jax.jit(agent.apply)(params, rollout.obs.reshape(-1, *OBS_SHAPE))[1]).reshape(T + 1, N)
     advantages = gae_loop(
         rollout.rewards, values, rollout.terminations, rollout.truncations, args.gamma, args.gae_lambda
@@ -74,7 +75,7 @@ def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, 
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    metrics, seen, first_step = [], [], step
+    metrics, seen, norms, first_step = [], [], [], step
     for epoch in range(EPOCHS):
         minibatches = reference_minibatches(shuffle_key, first_step, rollout.env_ids[0], epoch)
         seen.append(sorted((int(t), int(j)) for ts, js in minibatches for t, j in zip(ts, js)))
@@ -85,12 +86,13 @@ def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, 
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
             batch = (rollout.obs[t, j], rollout.actions[t, j], rollout.logprobs[t, j], adv, returns[t, j])
             grads, minibatch_metrics = grad_fn(params, *batch)
+            norms.append(float(optax.global_norm(grads)))
             params, opt_state = apply_optimizer(grads, opt_state, params)
             metrics.append(minibatch_metrics)
             step += 1
     every_sample = sorted((t, j) for t in range(T) for j in range(N))
     assert all(s == every_sample for s in seen), "an epoch's minibatches must hold every sample exactly once"
-    return params, opt_state, step, metrics
+    return params, opt_state, step, metrics, norms
 
 
 @pytest.mark.parametrize(
@@ -107,17 +109,38 @@ def test_two_iterations_match_the_plain_reference(extra):
 
     params = state.params
     opt_state = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1.0)).init(params)
-    step = 0
+    step, norms = 0, []
     for seed in (1, 2):  # seeds whose rollouts hold terminations and truncations (episode_data checks)
         before = params
         rollout = make_rollout(cleanba_ppo, agent, params, seed)
         state, logged = update(state, (cleanba_ppo.Rollout(*map(jnp.asarray, rollout)),))
-        params, opt_state, step, metrics = reference_iteration(
+        params, opt_state, step, metrics, iteration_norms = reference_iteration(
             agent, args, shuffle_key, params, opt_state, step, rollout
         )
+        norms += iteration_norms
         assert int(state.step) == step
         for name in ("loss", "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac"):
             expected = np.mean([float(m[name]) for m in metrics])
             np.testing.assert_allclose(float(logged[name]), expected, **TOLERANCE, err_msg=name)
         assert 0 < float(logged["clipfrac"]) < 1, "the rollout should put some ratios outside the clip range"
         assert_params_match(state.params, params, before)
+    # the clip at work: a looser or missing clip would move the params elsewhere than the reference's
+    assert max(norms) > args.max_grad_norm, norms
+
+
+def test_defaults_and_optimizer_are_the_papers():
+    """PPO's defaults (the Cleanba paper's appendix A, CleanRL's Atari PPO) and the optimizer the script builds from
+    them, read back from its state: Adam (b1 0.9, b2 0.999, eps 1e-5) at 2.5e-4, annealed linearly to 0; each
+    gradient clipped to a global norm of 0.5 (the reference test above sees the clip act)."""
+    import tyro
+
+    args = tyro.cli(cleanba_ppo.Args, args=[])
+    defaults = dict(learning_rate=2.5e-4, max_grad_norm=0.5, clip_coef=0.1, ent_coef=0.01, vf_coef=0.5, gamma=0.99)
+    defaults |= dict(gae_lambda=0.95, num_steps=128, local_num_envs=64, num_actor_threads=2, num_minibatches=4)
+    defaults |= dict(update_epochs=4, norm_adv=True, anneal_lr=True, concurrency=False, total_timesteps=50_000_000)
+    assert {name: getattr(args, name) for name in defaults} == defaults
+    args = make_args(cleanba_ppo, [])
+    _, _, state, _ = script_learner(cleanba_ppo, args)
+    (hyperparams,) = [part.hyperparams for part in state.opt_state if hasattr(part, "hyperparams")]
+    for name, value in dict(b1=0.9, b2=0.999, eps=1e-5, eps_root=0.0, learning_rate=2.5e-4).items():
+        assert float(hyperparams[name]) == pytest.approx(value, rel=1e-6), name
