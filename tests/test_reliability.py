@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 
 import flax
 import jax
@@ -273,6 +274,73 @@ def test_logger_starts_from_the_saved_window(tmp_path):
     logger.close()
     assert window["returns"].tolist() == [*range(2, 20), 100.0, 101.0]
     assert window["lengths"].tolist() == [*range(20, 200, 10), 1000.0, 1010.0]
+
+
+# What a resumed run may change (flag(..., resumable=True)): where and how it computes, logs and saves, never what it
+# learns. A flag added here must be one that changes no bit of a run's params (tests/test_exact.py resumes across
+# layouts bit for bit); every other flag of the command line must match the checkpoint's.
+RESUMABLE = {
+    *["actor_device_ids", "learner_device_ids", "local_num_envs", "num_actor_threads", "memory_check"],
+    *["distributed", "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "stall_timeout"],
+    *["exp_name", "run_name", "resume", "log_frequency", "track", "wandb_project_name", "wandb_entity"],
+    *["checkpoint_frequency", "save_model", "eval_episodes", "capture_video", "upload_model", "hf_repo_id"],
+    *["world_size", "process_index", "local_batch_size", "local_minibatch_size"],  # run-time sizes of a layout
+}
+LEARNED = {  # every other flag: what is learned
+    "common": [
+        *["env_id", "atari_protocol", "total_timesteps", "seed", "learning_rate", "anneal_lr", "num_steps", "gamma"],
+        *["num_minibatches", "ent_coef", "vf_coef", "max_grad_norm", "channels", "hidden_dim", "conv_dtype"],
+        *["concurrency", "gradient_accumulation_steps", "exact", "group_envs"],
+    ],
+    "ppo": ["gae_lambda", "update_epochs", "norm_adv", "clip_coef"],
+    "impala": ["rmsprop_decay", "rmsprop_eps"],
+}
+
+
+def other_value(value, hint):
+    """A value of a flag's type other than value."""
+    if typing.get_origin(hint) is typing.Literal:
+        return next(choice for choice in typing.get_args(hint) if choice != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value / 2 + 1e-3
+    if isinstance(value, str):
+        return f"{value}-other"
+    if isinstance(value, list | tuple):
+        return [*value, value[-1]]
+    assert value is None, value
+    return "other"
+
+
+def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_path):
+    """The checkpoint's check of the resuming command's flags (checkpoint.load_checkpoint, called by the scripts'
+    --resume and by a requeued SLURM job): which flags it lets change (RESUMABLE, the same for both scripts); each
+    other flag, changed on its own, refused naming it; each resumable one, changed on its own, let through.
+    tests/test_resume_continues_the_run takes a real run's checkpoint through the command line."""
+    from dataclasses import asdict, fields, replace
+
+    from cleanba import checkpoint, plumbing
+
+    module = importlib.import_module(f"cleanba.cleanba_{script}")
+    hints = typing.get_type_hints(module.Args, include_extras=True)
+    flags = {f.name for f in fields(module.Args) if "Suppress" not in repr(hints[f.name])}
+    assert plumbing.resumable_flags(module.Args) == RESUMABLE
+    assert flags - RESUMABLE == set(LEARNED["common"] + LEARNED[script])
+    args = module.Args()
+    module.fill_runtime_sizes(args, 1, 0)
+    path, state = tmp_path / "checkpoint.msgpack", {"w": np.arange(3.0)}
+    checkpoint.save_checkpoint(path, asdict(args), state, 5, {"returns": np.zeros(0), "lengths": np.zeros(0)})
+    for name in sorted(flags):
+        other = replace(args, **{name: other_value(getattr(args, name), hints[name])})
+        if name in RESUMABLE:
+            iteration, restored, _ = checkpoint.load_checkpoint(path, asdict(other), state, RESUMABLE)
+            assert iteration == 5 and restored["w"].tolist() == [0.0, 1.0, 2.0], name
+        else:
+            with pytest.raises(ValueError, match=rf"was trained with {name}="):
+                checkpoint.load_checkpoint(path, asdict(other), state, RESUMABLE)
 
 
 # Both lag settings, each resumed one of the two ways (the way does not change what follows the resume).
