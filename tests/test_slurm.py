@@ -3,8 +3,10 @@ processes find each other through jax.distributed.initialize()'s SLURM detection
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,63 @@ def test_benchmark_renders_the_paper_experiments(tmp_path):
         assert "#SBATCH --array=0-170\n" in script  # 57 games x 3 seeds
         assert "#SBATCH --partition=gpu" in script and "#SBATCH --requeue" in script
     assert sum("--ntasks-per-node=2" in s and "--learner-device-ids 1 2 3" in s for s in scripts) == 2
+
+
+def slurm_task_pid(job_name: str) -> int | None:
+    """The pid of the training process of the job named job_name (its environment names the job; not srun's, whose
+    command line holds the script too)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_NAME={job_name}" in environ and argv[:2] == [sys.executable, str(SCRIPTS["impala"])]:
+            return int(pid)
+    return None
+
+
+def test_requeued_job_with_the_default_run_name_resumes(cluster, tmp_path):
+    """As a user submits: no --run-name. The run directory's default name under SLURM holds the array job and task
+    ids, which a requeue keeps, so the requeued job (SLURM_RESTART_COUNT=1) finds the checkpoint its SIGTERM left
+    and trains on from it into the same directory."""
+    iterations = 4000  # about 15 s of training on the CI machine: stopped well before its end
+    total = iterations * 4 * 8
+    job_name = f"requeue-default-{os.getpid()}"
+    command = [sys.executable, SCRIPTS["impala"], "--env-id", "CartPole-v1", "--hidden-dim", "16", "--num-steps", "8"]
+    command += ["--num-minibatches", "2", "--local-num-envs", "4", "--num-actor-threads", "1", "--log-frequency", "100"]
+    command += ["--total-timesteps", total, "--checkpoint-frequency", "100000"]
+    env = dict(script_env(1), SLURM_CONF=str(cluster.conf))
+    result = launch(
+        [
+            *["--command", " ".join(map(str, command)), "--env-ids", "CartPole-v1", "--seeds", 3],
+            "--job-name",
+            job_name,
+            "--workdir",
+            tmp_path,
+        ],
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    outputs = lambda: "".join(path.read_text() for path in (tmp_path / "slurm").glob("*.out"))  # noqa: E731
+    deadline = time.time() + 120
+    while time.time() < deadline and "step " not in outputs():
+        time.sleep(0.5)
+    pid = slurm_task_pid(job_name)
+    assert pid is not None, outputs() + cluster.logs()
+    os.kill(pid, signal.SIGTERM)  # what SLURM sends a preempted job
+    (task,) = cluster.wait(job_id, timeout=120)
+    first = outputs()
+    saved = re.search(r"checkpoint of iteration (\d+) saved to (\S+)", first)
+    assert saved and task["JobState"] != "COMPLETED", first + cluster.logs()
+    assert saved.group(2) == f"runs/CartPole-v1__cleanba_impala__3__{job_id}_0/checkpoint.msgpack", first
+    requeued = subprocess.run(["scontrol", "requeue", job_id], env=env, capture_output=True, text=True, timeout=60)
+    assert requeued.returncode == 0, requeued.stderr
+    (task,) = cluster.wait(job_id, timeout=300)
+    second = outputs()
+    assert (task["JobState"], task["Restarts"]) == ("COMPLETED", "1"), second + cluster.logs()
+    assert f"resumed {saved.group(2)} at iteration {saved.group(1)}" in second, second
+    (directory,) = (tmp_path / "runs").iterdir()  # the same run directory, not a second one
+    steps = [step for step, _ in scalars(directory)["stats/learner_policy_version"]]
+    assert steps == [i * 4 * 8 for i in range(1, iterations + 1)]
