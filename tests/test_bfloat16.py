@@ -39,7 +39,13 @@ def test_the_gpu_program_convolves_in_the_flags_dtype(dtype):
     for line in convolutions:
         types = re.findall(r"tensor<[0-9x]+x(\w+)>", line.split(" : ")[-1])
         assert types and set(types) == {element}, line
-    assert "f32" in text  # the params and the dense layers stay float32
+    # The params, and every matrix product of the dense layers and heads (forward and backward), stay float32.
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) >= 3 * 3, len(dots)  # hidden layer, policy and value heads: forward, input and kernel gradients
+    for line in dots:
+        types = re.findall(r"tensor<[0-9x]+x(\w+)>", line.split(" : ")[-1])
+        assert types and set(types) == {"f32"}, line
 
 
 def test_the_update_stays_near_float32():
