@@ -327,7 +327,7 @@ class Args(Algorithm, Basics):
     exp_name: str = flag(Path(__file__).stem, resumable=True)
     """the name of this experiment"""
     run_name: str | None = flag(None, resumable=True)
-    """the run directory under runs/ (default: env__exp__seed, then the SLURM job ids or the start time)"""
+    """the run directory under runs/; without it env__exp__seed, then the SLURM job ids or the start time"""
     log_frequency: int = flag(10, "[1, inf)", resumable=True)
     """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
     track: bool = flag(False, resumable=True)
@@ -349,11 +349,11 @@ class Args(Algorithm, Basics):
     upload_model: bool = flag(False, resumable=True)
     """with --save-model: upload the model, its evaluation, videos and a model card to the Hugging Face Hub"""
     hf_repo_id: str | None = flag(None, resumable=True)
-    """with --upload-model: the Hub repository (default: <your Hub user>/<env_id>-<exp_name>-seed<seed>)"""
+    """with --upload-model: the Hub repository; without it <your Hub user>/<env_id>-<exp_name>-seed<seed>"""
     distributed: bool = flag(False, resumable=True)
     """call jax.distributed.initialize() first: several processes, e.g. one per node under SLURM"""
     coordinator_address: str | None = flag(None, resumable=True)
-    """with --distributed outside SLURM: host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)"""
+    """with --distributed outside SLURM: host:port of process 0; without it $JAX_COORDINATOR_ADDRESS"""
     num_processes: int | None = flag(None, resumable=True)
     """with --distributed outside SLURM: the number of processes"""
     process_id: int | None = flag(None, resumable=True)
@@ -827,6 +827,6 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = plumbing.parse_flags(Args, __doc__)
     check_args(args)
     main(args)

@@ -11,13 +11,17 @@ changes what it learns or how data moves between actors and learner.
 A fork changes the algorithm in its own file and rarely needs to read this one.
 """
 
+import ast
 import faulthandler
 import hashlib
 import importlib
+import inspect
+import itertools
 import os
 import queue
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections import deque
@@ -26,12 +30,14 @@ from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from traceback import print_exception
+from types import MappingProxyType
 
 import envpool
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tyro
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tensorboardX import SummaryWriter
@@ -72,6 +78,30 @@ def flag_ranges(args) -> dict:
 def resumable_flags(args) -> set:
     """The names of the flags a resumed run may change (flag(..., resumable=True))."""
     return {f.name for f in fields(args) if f.metadata.get("resumable")}
+
+
+def field_docstring(args_class, name: str) -> str:
+    """The docstring under a field of args_class or of the class it inherits it from (as tyro reads it)."""
+    for klass in args_class.__mro__:
+        if name not in vars(klass).get("__annotations__", {}):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in itertools.pairwise(body):
+            if isinstance(node, ast.AnnAssign) and node.target.id == name and isinstance(after, ast.Expr):
+                return " ".join(str(after.value.value).split())
+    return ""
+
+
+def parse_flags(args_class, doc: str):
+    """A script's command line parsed by tyro. Its --help opens with the script's docstring (what it trains, an example
+    command), and each flag with a range (flag(default, interval)) says the values it accepts."""
+    for f in fields(args_class):
+        if f.metadata.get("range") and "help" not in f.metadata:
+            help_text = f"{field_docstring(args_class, f.name)}; in {f.metadata['range']}"
+            f.metadata = MappingProxyType({**f.metadata, "help": help_text})
+    examples = [line.strip() for line in doc.splitlines() if line.startswith("    python ")]
+    description = "\n\n".join([doc.split("\n\n")[0], *(f"e.g. {line}" for line in examples), "docs: README.md, docs/"])
+    return tyro.cli(args_class, description=description)
 
 
 def check_flags(args):

@@ -291,6 +291,31 @@ def test_every_numeric_flag_has_a_checked_range(script, capsys):
             assert f"--{name.replace('_', '-')}={value}" in message and interval in message, message
 
 
+def test_help_names_the_algorithm_an_example_and_every_range(script):
+    """--help opens with what the script trains and a command to run it; each flag with a range shows it, and no
+    flag shows two defaults."""
+    import importlib
+
+    from cleanba.plumbing import flag_ranges
+
+    module = importlib.import_module(f"cleanba.cleanba_{script}")
+    env = dict(script_env(), COLUMNS="1000")  # one line per flag
+    process = subprocess.run(
+        [sys.executable, SCRIPTS[script], "--help"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert process.returncode == 0 and process.stderr == "", process.stderr
+    head, options = process.stdout.split("╭─ options", 1)
+    assert f"Cleanba {script.upper()}:" in head and f"e.g. python cleanba/cleanba_{script}.py --env-id" in head, head
+    lines, flag = {}, None  # each flag's text: its line and those under it (a long flag's help starts below it)
+    for line in options.splitlines():
+        flag = line.split()[1] if line.startswith("│ --") else flag
+        if flag and line.startswith("│ "):
+            lines[flag] = " ".join([lines.get(flag, ""), line.strip("│ ")])
+    for name, interval in flag_ranges(module.Args).items():
+        assert f"; in {interval} (default: " in lines[f"--{name.replace('_', '-')}"], name
+    assert all(line.count("(default:") <= 1 for line in lines.values()), [x for x in lines.values() if "(default:" in x]
+
+
 def check_tool_refused(process, *fragments):
     """A tool (python -m cleanba.X) refused before it started: exit 2, one line on stderr naming the fix."""
     assert process.returncode == 2, process.stderr
