@@ -126,4 +126,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, prog="python -m cleanba.compare_layouts", description=__doc__))

@@ -392,4 +392,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, prog="python -m cleanba.evaluate", description=__doc__))

@@ -250,7 +250,7 @@ def report(compile_args: CompileArgs, args, figures: dict, memory_bytes: int, pe
 
 def main(argv: list):
     own, flags = split_argv(argv)
-    compile_args = tyro.cli(CompileArgs, args=own)
+    compile_args = tyro.cli(CompileArgs, args=own, prog="python -m cleanba.gpu_compile", description=__doc__)
     if compile_args.processes < 1:
         fail(f"--processes={compile_args.processes}: give 1 or more")
     ptxas = ptxas_dir()  # before the script loads: without the gpu-compile group nothing below can run

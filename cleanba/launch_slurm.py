@@ -114,4 +114,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, prog="python -m cleanba.launch_slurm", description=__doc__))

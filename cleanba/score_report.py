@@ -647,4 +647,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, prog="python -m cleanba.score_report", description=__doc__))

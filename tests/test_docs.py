@@ -114,3 +114,24 @@ def test_relative_links_and_images_resolve(page):
         assert linked.exists(), f"{page.name}: {target} does not resolve"
         if anchor and linked.suffix == ".md":
             assert anchor in anchors(linked), f"{page.name}: {target}: no heading of {linked.name} has that anchor"
+
+
+TOOLS = ["evaluate", "score_report", "compare_layouts", "launch_slurm", "benchmark", "gpu_compile"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_each_tools_help_gives_its_usage_and_an_example(tool):
+    """`python -m cleanba.TOOL --help`: the command as typed, and the examples of the tool's docstring."""
+    process = subprocess.run(
+        [sys.executable, "-m", f"cleanba.{tool}", "--help"],
+        cwd=ROOT,
+        env=dict(script_env(), COLUMNS="200"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.startswith(f"usage: python -m cleanba.{tool} "), process.stdout[:200]
+    docstring = (ROOT / "cleanba" / f"{tool}.py").read_text().split('"""')[1].replace("\\\\", "\\")  # as the source escapes it
+    examples = [line.strip() for line in docstring.splitlines() if line.startswith(f"    python -m cleanba.{tool} ")]
+    assert examples and all(example in process.stdout for example in examples), examples
