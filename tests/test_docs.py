@@ -102,7 +102,10 @@ def anchors(page) -> set:
     return found
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+REPORTS = sorted((ROOT / "docs" / "benchmarks").glob("*/README.md"))  # the dated measurement reports
+
+
+@pytest.mark.parametrize("page", PAGES + REPORTS, ids=[str(p.relative_to(ROOT)) for p in PAGES + REPORTS])
 def test_relative_links_and_images_resolve(page):
     """Every relative link reaches a file, and its #anchor, if any, a heading of that file."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
