@@ -1,7 +1,7 @@
 """The policy step compiled with each kind of XLA command buffer (CUDA graph) setting, timed alone: the script's
 own policy at its default sizes (Breakout, one actor thread's 64 envs), median microseconds of 1000 calls.
 
-    python docs/benchmarks/h100-2026-11-27/launch_probe.py [--script impala] [-- training flags]
+    python docs/benchmarks/2026-11-27-h100/launch_probe.py [--script impala] [-- training flags]
 
 The second probe of the session, after policy_probe.py found the step slower as one graph. Variants, each the
 same traced step compiled with other compiler options: XLA's default command buffers (the tail of the network,

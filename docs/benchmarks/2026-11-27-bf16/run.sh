@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # This session's GPU call, prepared and run once on the CPU first (small sizes):
-#   bash docs/benchmarks/bf16-2026-11-27/run.sh OUTDIR [SCRIPT FLAGS]
+#   bash docs/benchmarks/2026-11-27-bf16/run.sh OUTDIR [SCRIPT FLAGS]
 # Most wanted first, as the machine's time may end the call: the learner alone with float32 and with bfloat16
 # convolutions (--conv-dtype), for PPO then IMPALA; PPO's default training (sync) both ways; the actor alone before
 # and after the one-array policy step (before: the same scripts with actions and log-probs returned and copied as

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # This session's GPU call: the lock's JAX for Python 3.12 (jax 0.12.0.1, its CUDA 13 plugin of the same version,
 # flax 0.12.12, optax 0.2.8, chex 0.1.92) against the machine's own (jax 0.11.2), side by side in one call:
-#   NEWEST=DIR bash docs/benchmarks/jax012-2026-11-28/run.sh OUTDIR [SCRIPT FLAGS]
+#   NEWEST=DIR bash docs/benchmarks/2026-11-28-jax012/run.sh OUTDIR [SCRIPT FLAGS]
 # DIR holds those wheels unpacked (it comes first on PYTHONPATH); the machine has no network, so they travel with the
 # call. Most wanted first, as the machine's time may end the call: each script's learner alone at its defaults on
 # a0-l0 (Breakout) on the newest stack, then on the machine's; then each script's own training on the newest stack,

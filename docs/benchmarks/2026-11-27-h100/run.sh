@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # This session's GPU call, prepared and run once on the CPU first (small sizes):
-#   bash docs/benchmarks/h100-2026-11-27/run.sh OUTDIR [SCRIPT FLAGS]
+#   bash docs/benchmarks/2026-11-27-h100/run.sh OUTDIR [SCRIPT FLAGS]
 # The policy probe, then both scripts before and after the CUDA-graph policy (before: the same scripts with the
 # policy's compiler options removed), actor alone and each script's default training mode, interleaved; last,
 # the EnvPool ceiling and the learner alone (the change does not touch them). One JSON per run in OUTDIR.

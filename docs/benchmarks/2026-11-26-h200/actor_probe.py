@@ -1,6 +1,6 @@
 """Where one actor step's inference time goes: the script's own policy at its default sizes, timed piece by piece.
 
-    python docs/benchmarks/h200-2026-11-26/actor_probe.py [--script impala] [-- training flags]
+    python docs/benchmarks/2026-11-26-h200/actor_probe.py [--script impala] [-- training flags]
 
 Prints the median microseconds per call of each piece, in one thread and in two threads at once (as the
 default 2 actor threads call it)."""

@@ -1,7 +1,7 @@
 """The actor's policy step with and without the CUDA graph, timed alone: the script's own policy at its default
 sizes (Breakout, one actor thread's 64 envs), median microseconds of 300 calls per variant.
 
-    python docs/benchmarks/h100-2026-11-27/policy_probe.py [--script impala] [-- training flags]
+    python docs/benchmarks/2026-11-27-h100/policy_probe.py [--script impala] [-- training flags]
 
 Variants: the network's kernels and cuDNN calls launched one by one (the policy jitted without the script's
 compiler options, as before the change), the script's policy (one CUDA graph), and that graph returning actions
