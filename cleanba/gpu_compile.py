@@ -21,9 +21,10 @@ same update compiled for the CPU: after GPU optimization, cuDNN and cuBLAS calls
 and the learner's compute bound in env steps per second at the target's dense TF32 peak.
 
 Not covered: no autotuning runs without a GPU (cuDNN algorithms and their workspaces, Triton tilings are XLA's
-defaults), so the real temporaries can be higher; the measured peak on an H100 was about 1.4x XLA's figure for
-the default PPO update (docs/gpu.md). Needs the CUDA plugin and ptxas from PyPI:
-`poetry install --with gpu-compile`. Exit status: 0 when every GPU fits, 1 when one does not, 2 on bad input.
+defaults), so the real figures are higher: for the default PPO update on an H100, the autotuned temporaries were
+1.31x this figure and the device's peak 1.85x the total (docs/gpu.md, "Keep a margin"). Needs the CUDA plugin
+and ptxas from PyPI: `poetry install --with gpu-compile`. Exit status: 0 when every GPU fits, 1 when one does
+not, 2 on bad input.
 """
 
 import os
