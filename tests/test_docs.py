@@ -135,6 +135,7 @@ def test_each_tools_help_gives_its_usage_and_an_example(tool):
     )
     assert process.returncode == 0, process.stderr
     assert process.stdout.startswith(f"usage: python -m cleanba.{tool} "), process.stdout[:200]
-    docstring = (ROOT / "cleanba" / f"{tool}.py").read_text().split('"""')[1].replace("\\\\", "\\")  # as the source escapes it
+    source = (ROOT / "cleanba" / f"{tool}.py").read_text()
+    docstring = source.split('"""')[1].replace("\\\\", "\\")  # a backslash as the source escapes it
     examples = [line.strip() for line in docstring.splitlines() if line.startswith(f"    python -m cleanba.{tool} ")]
     assert examples and all(example in process.stdout for example in examples), examples
