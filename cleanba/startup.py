@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -141,10 +142,15 @@ def describe_gpus(gpus: list) -> str:
 
 
 def cuda_plugin_installed() -> bool:
-    """Whether JAX's CUDA plugin is installed: the CPU install (`poetry install`) has none."""
-    if importlib.util.find_spec("jax_plugins") is None:
+    """Whether JAX's CUDA plugin is installed (the CPU install, `poetry install`, has none): looked up on disk, where
+    hide_cuda_plugin's stand-ins do not hide it."""
+    namespace = importlib.util.find_spec("jax_plugins")
+    if namespace is None:
         return False
-    return any(importlib.util.find_spec(f"jax_plugins.xla_{cuda}") is not None for cuda in CUDA_PLUGINS)
+    return any(
+        importlib.machinery.PathFinder.find_spec(f"jax_plugins.xla_{cuda}", namespace.submodule_search_locations)
+        for cuda in CUDA_PLUGINS
+    )
 
 
 def hide_cuda_plugin():
