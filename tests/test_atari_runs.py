@@ -1,22 +1,22 @@
 """The Breakout learning that README.md and docs/atari-cpu.md report, read back from the runs' own event files in
 docs/runs (merged as the score report merges a resumed run, scored as it scores them): each figure the docs give
-is checked in the text and against the curve it comes from, so neither can change alone."""
+is computed here from the curve it comes from and found in the text, so neither can change alone. The first runs,
+on the code of their dates, are a dated report with their own event files (docs/benchmarks/2026-11-27-breakout-cpu)."""
 
+import numpy as np
 import pytest
 from conftest import ROOT
 
 from cleanba import score_report
 
 README = (ROOT / "README.md").read_text()
-REPORT = ROOT / "docs" / "benchmarks" / "2026-11-27-breakout-cpu"  # the first runs, on the code of their dates
-ATARI_CPU = (REPORT / "README.md").read_text()
+ATARI_CPU = (ROOT / "docs" / "atari-cpu.md").read_text()
+REPORT = ROOT / "docs" / "benchmarks" / "2026-11-27-breakout-cpu"
 REFERENCES = score_report.load_references(None)
 
 
-def curve(name: str):
-    directory = ROOT / "docs" / "runs" / name
-    directory = directory if directory.exists() else REPORT / "runs" / name
-    return score_report.read_run(directory).scalars["charts/episodic_return"]
+def scalars(directory):
+    return score_report.read_run(directory).scalars
 
 
 def value_at(points, step: int) -> float:
@@ -30,10 +30,35 @@ def human_normalized_end(points) -> tuple:
     return raw, float(score_report.normalize(raw, "Breakout-v5", REFERENCES))
 
 
+IMPALA = scalars(ROOT / "docs" / "runs" / "breakout-impala-cpu")
+
+
+def test_impala_at_the_defaults_learns_breakout_in_1_5m_steps():
+    """README and docs/atari-cpu.md: the end of the run, its human-normalized score over the last 10% of its steps, and
+    its saved model's evaluation (10 whole games), from the run's own event files."""
+    points = IMPALA["charts/episodic_return"]
+    assert points.step.iloc[-1] == 1_497_600  # 585 iterations of 2,560 steps
+    end = f"{points.value.iloc[-1]:.1f} at 1.5M steps"
+    raw, normalized = human_normalized_end(points)
+    evaluation = IMPALA["eval/episodic_return"].value.to_numpy()
+    assert len(evaluation) == 10
+    figures = [end, f"human-normalized {normalized:.3f} (raw {raw:.1f})", f"{evaluation.mean():.1f} over 10 games"]
+    for figure in figures:
+        assert figure in README and figure in ATARI_CPU, figure
+    assert f"std {evaluation.std():.1f}: {', '.join(str(int(v)) for v in evaluation)}" in ATARI_CPU
+
+
+@pytest.mark.parametrize("step", [51_200, 307_200, 768_000, 1_024_000, 1_280_000])
+def test_impala_curve_as_stored(step):
+    """docs/atari-cpu.md's points of the IMPALA curve."""
+    points = IMPALA["charts/episodic_return"]
+    assert f"{value_at(points, step):.1f} at {step / 1e6:.2f}M" in ATARI_CPU
+
+
 def test_ppo_with_the_default_schedule_passes_10():
     """README: PPO with its default 50M-step schedule passes 10 at 1.15M steps (11.7 at 1.34M)."""
-    assert "PPO with its default 50M-step schedule passes 10 at 1.15M steps (11.7 at 1.34M" in README
-    points = curve("breakout-ppo-cpu-50m")
+    assert "PPO on its default 50M-step schedule passes 10 at 1.15M steps" in README
+    points = scalars(ROOT / "docs" / "runs" / "breakout-ppo-cpu-50m")["charts/episodic_return"]
     first = points[points.value >= 10].iloc[0]
     assert round(first.step / 1e6, 2) == 1.15 and round(first.value, 1) == 10.2
     assert round(points.step.iloc[-1] / 1e6, 2) == 1.34 and round(points.value.iloc[-1], 1) == 11.7
@@ -43,24 +68,14 @@ def test_ppo_with_the_default_schedule_passes_10():
     assert "0.297 (raw 10.24, over 1.21M-1.34M)" in ATARI_CPU
 
 
-def test_ppo_annealed_over_1_5m_stops_below_10():
-    """README: a run with its learning rate annealed to zero at 1.5M stopped at 9.55."""
-    assert "annealed to zero at 1.5M stopped at 9.55" in README
-    points = curve("breakout-ppo-cpu")
-    assert round(points.value.max(), 2) == 9.55 and round(points.step.iloc[-1] / 1e6, 2) == 1.49
-    assert points.value.max() < 10
-    raw, normalized = human_normalized_end(points)
-    assert (round(normalized, 3), round(raw, 1)) == (0.212, 7.8)
-    assert "0.212 (raw 7.8)" in ATARI_CPU
-
-
-@pytest.mark.parametrize(("step", "value"), [(51_000, 1.5), (307_000, 3.4), (691_000, 8.6)])
-def test_impala_curve_as_stored(step, value):
-    """docs/atari-cpu.md's IMPALA points up to 691k, where its stored event files end (the run's last session, to
-    1.5M, is not in docs/runs: its 30.6 at 1.5M and 0.881 cannot be checked here, and the page says so)."""
-    assert f"{value} at {step // 1000}k" in ATARI_CPU
-    assert "the event files kept in `docs/runs` end at 691k steps, at 8.6" in README
-    points = curve("breakout-impala-cpu-lecun")
-    assert round(points.step.iloc[-1] / 1000) == 691
-    assert round(value_at(points, step), 1) == value
-    assert "end at 691,200 steps (0.229" in ATARI_CPU and round(human_normalized_end(points)[1], 3) == 0.229
+def test_the_first_runs_report_reads_its_own_event_files():
+    """The dated report of the first runs: its IMPALA curve up to 691k (where its event files end) and the annealed
+    PPO run's 9.55, from the event files beside it."""
+    text = (REPORT / "README.md").read_text()
+    impala = scalars(REPORT / "runs" / "breakout-impala-cpu-lecun")["charts/episodic_return"]
+    assert round(impala.step.iloc[-1] / 1000) == 691
+    for step, value in [(51_000, 1.5), (307_000, 3.4), (691_000, 8.6)]:
+        assert round(value_at(impala, step), 1) == value and f"{value} at {step // 1000}k" in text
+    ppo = scalars(REPORT / "runs" / "breakout-ppo-cpu")["charts/episodic_return"]
+    assert round(ppo.value.max(), 2) == 9.55 and ppo.value.max() < 10 and "9.55 at 1.49M" in text
+    assert np.isclose(human_normalized_end(ppo)[1], 0.212, atol=5e-4) and "0.212 (raw 7.8)" in text
