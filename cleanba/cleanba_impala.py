@@ -25,7 +25,7 @@ from cleanba.startup import add_xla_flags, prepare_process
 
 # Before JAX and EnvPool load: XLA's flags and memory fraction (cleanba/startup.py), and one line naming what to
 # install where this Python or EnvPool cannot run.
-prepare_process()
+prepare_process(main=__name__ == "__main__")
 
 import envpool
 import flax.linen as nn

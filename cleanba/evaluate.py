@@ -26,7 +26,8 @@ from pathlib import Path
 
 from cleanba.startup import hide_cuda_plugin
 
-hide_cuda_plugin()  # before anything imports JAX: no CUDA plugin noise where the machine has no GPU
+if __name__ == "__main__":  # the program, not a module imported by a test or a tool
+    hide_cuda_plugin()  # before anything imports JAX: no CUDA plugin noise where the machine has no GPU
 
 import numpy as np
 import tyro

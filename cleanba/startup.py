@@ -212,9 +212,11 @@ def envpool_version() -> str:
         return "(not installed)"
 
 
-def prepare_process():
-    """Check the Python and EnvPool, then set XLA's environment. Exits with one line where something is missing."""
-    hide_cuda_plugin()  # before anything imports JAX (rlax does)
+def prepare_process(main: bool = True):
+    """Check the Python and EnvPool, then set XLA's environment. Exits with one line where something is missing.
+    main: the script runs as the program (not imported by a test or a tool, which decide about JAX's plugins)."""
+    if main:
+        hide_cuda_plugin()  # before anything imports JAX (rlax does)
     problem = python_problem()
     if problem is None:
         try:
