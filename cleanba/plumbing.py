@@ -169,7 +169,8 @@ def actor_threads(args) -> int:
 def check_gpu_backend():
     """Refuse to train on the CPU of a machine that shows NVIDIA GPUs (a GPU node with the CPU install, or a CUDA
     plugin that failed to start): such a run would take days and say nothing. JAX_PLATFORMS=cpu trains on the CPU
-    anyway. Without a CUDA plugin this fails before JAX starts a backend (and prints its own warning)."""
+    anyway. Without a CUDA plugin this fails before JAX starts a backend, so JAX's own fallback warning
+    does not print."""
     gpus = nvidia_gpus()
     if not gpus or os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         return
