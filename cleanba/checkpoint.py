@@ -15,7 +15,7 @@ import flax.serialization
 import jax
 import numpy as np
 
-from cleanba.plumbing import digest, fail, host, resumable_flags
+from cleanba.plumbing import digest, fail, flags_that_may_change_on_resume, host
 
 
 def write_atomically(path: Path, payload: dict):
@@ -70,7 +70,7 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set):
     """Returns (iteration, train state like template, episode window) of a checkpoint; the window is empty in a
     checkpoint written before it was saved. ValueError, naming the flags, where its
     flags differ from args in one that is not in may_change (those change where or how a run computes or reports,
-    not what it learns: the scripts mark them resumable)."""
+    not what it learns: the scripts' flag(..., may_change_on_resume=True))."""
     payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
     saved, current = json.loads(payload["args"]), json.loads(json.dumps(args))
     conflicts = [
@@ -86,29 +86,31 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set):
 
 
 def resume_checkpoint(path: Path, args, state):
-    """(completed iterations, train state, the last games' returns) of the run that saved the checkpoint at path, on
+    """(iterations done, train state, the last games' returns) of the run that saved the checkpoint at path, on
     the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
     try:
-        completed, restored, episode_window = load_checkpoint(path, asdict(args), host(state), resumable_flags(args))
+        iterations_done, restored, episode_window = load_checkpoint(
+            path, asdict(args), host(state), flags_that_may_change_on_resume(args)
+        )
     except ValueError as error:
         fail(
             f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
             "with another --run-name"
         )
     print(
-        f"rank {args.process_index}: resumed {path} at iteration {completed} (global step "
-        f"{completed * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
+        f"rank {args.process_index}: resumed {path} at iteration {iterations_done} (global step "
+        f"{iterations_done * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
         f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}; its last games' returns "
         f"{episode_window['returns'].tolist()}",
         flush=True,
     )
-    if completed >= args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
+    if iterations_done >= args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
         print(
             f"rank {args.process_index}: nothing to train, the checkpoint is of the last iteration "
             f"({args.num_iterations})",
             flush=True,
         )
-    return completed, restored, episode_window
+    return iterations_done, restored, episode_window
 
 
 def resume_requested(args, checkpoint_path: Path) -> bool:
@@ -124,21 +126,23 @@ def resume_requested(args, checkpoint_path: Path) -> bool:
 
 
 def resume(args, path: Path, state):
-    """(completed iterations, train state, the last games' returns) a training run starts from: where it resumes
+    """(iterations done, train state, the last games' returns) a training run starts from: where it resumes
     (resume_requested), its checkpoint's, the train state on the devices of `state`; else (0, state, None)."""
     if not resume_requested(args, path):
         return 0, state, None
-    completed, restored, episode_window = resume_checkpoint(path, args, state)
-    return completed, jax.device_put(restored, jax.tree.map(lambda x: x.sharding, state)), episode_window
+    iterations_done, restored, episode_window = resume_checkpoint(path, args, state)
+    return iterations_done, jax.device_put(restored, jax.tree.map(lambda x: x.sharding, state)), episode_window
 
 
 def save_run_checkpoint(run):
-    """A checkpoint of a training script's Run: its args, train state, last iteration and its logger's last games."""
-    save_checkpoint(run.checkpoint_path, asdict(run.args), host(run.state), run.completed, run.logger.episode_window())
+    """A checkpoint of a script's TrainingRun: its args, train state, last iteration and its logger's last games."""
+    save_checkpoint(
+        run.checkpoint_path, asdict(run.args), host(run.state), run.iterations_done, run.logger.episode_window()
+    )
 
 
 def save_trained_model(run, script: str) -> Path:
-    """The end of a --save-model run (a training script's Run): runs/<run_name>/<exp_name>.cleanba_model."""
+    """The end of a --save-model run (a training script's TrainingRun): runs/<run_name>/<exp_name>.cleanba_model."""
     path = run.run_dir / f"{run.args.exp_name}.cleanba_model"
     save_model(path, script, asdict(run.args), host(run.state.params))
     print(f"model saved to {path}", flush=True)

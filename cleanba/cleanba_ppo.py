@@ -1,12 +1,11 @@
 """Cleanba PPO: actor threads step EnvPool on an actor device, a data-parallel learner trains on others.
 
-One file, read top to bottom: the flags most runs set, then two halves. Above the ENGINE line, the algorithm: its
-flags and checks, the network, GAE, the PPO loss, the minibatch schedule, the optimizer. Below it, the engine, in the
-order a run uses it: its flags, envs, actor threads, learner, and the run (start, train, stop). The group sums behind
---exact are in cleanba/reductions.py, start-up and shut-down helpers in cleanba/plumbing.py and checkpoint.py. The
-engine is the same, byte for byte, in cleanba_impala.py (tests/test_engine.py): `diff` shows the algorithm; a fork edits
-it. Design and protocol: Huang et al., "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning
-Platform" (arXiv 2310.00036). Usage: README.md and docs/.
+Read top to bottom: the flags most runs set; above the ENGINE line, the algorithm a fork edits (its flags and checks,
+the network, GAE, the PPO loss, the minibatches, the optimizer); below it, the engine, the same byte for byte in
+cleanba_impala.py (tests/test_engine.py), in the order a run uses it: envs, actor threads, learner, the run. Helpers:
+cleanba/reductions.py (the sums behind --exact), plumbing.py and checkpoint.py. Design and protocol: Huang et al.,
+"Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform" (arXiv 2310.00036); usage:
+README.md and docs/.
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
@@ -41,12 +40,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanba import checkpoint, plumbing
-from cleanba.plumbing import Stop, StopTraining, Stopwatch, digest, fail, first_replica, flag, queue_get, queue_put
-from cleanba.reductions import Groups, chunked_apply, env_blocks, make_groups, split_envs
+from cleanba.plumbing import Stop, StopTraining, Stopwatch, digest, fail, flag, queue_get, queue_put, unreplicate
+from cleanba.reductions import Groups, chunked_apply, learner_env_blocks, learner_shapes, make_groups, put_on_learners
 
 
 @dataclass
-class Basics:
+class CommonFlags:
     """The flags most runs set, first in --help: what to train, for how long, from which seed, on which devices. The
     algorithm's flags (Algorithm) and the engine's (Args, below the ENGINE line) follow."""
 
@@ -56,9 +55,9 @@ class Basics:
     """total environment steps of all envs together (frames / 4 on Atari)"""
     seed: int = flag(1, "[0, inf)")
     """seed of the experiment: environments, network initialisation and action sampling derive from it"""
-    actor_device_ids: list[int] = flag([0], resumable=True)
+    actor_device_ids: list[int] = flag([0], may_change_on_resume=True)
     """local device ids that run the actor threads' policy inference"""
-    learner_device_ids: list[int] = flag([0], resumable=True)
+    learner_device_ids: list[int] = flag([0], may_change_on_resume=True)
     """local device ids that the learner is data-parallel over"""
 
 
@@ -114,12 +113,12 @@ def check_algorithm(args: "Args"):
         )
 
 
-# How the engine groups a learner device's envs for PPO. Every minibatch takes time steps of every env: one class of
-# envs (minibatch_classes). A group's micro-batches cut its time rows (axis 0 of a group's (rows, envs) fields).
-MICRO_BATCH_AXIS = 0
+# How the engine groups a learner device's envs for PPO: every minibatch takes time steps of every env (one env set,
+# minibatch_env_sets), and a group's micro-batches split its time steps.
+MICRO_BATCHES_SPLIT = "time"
 
 
-def minibatch_classes(args: "Args") -> int:
+def minibatch_env_sets(args: "Args") -> int:
     return 1
 
 
@@ -252,10 +251,6 @@ def ppo_loss(agent: Agent, args: "Args", params, batch: dict, count):
     return metrics["loss"], metrics
 
 
-def squared_deviations(mean, values, mask):
-    return jnp.vdot((values - mean) ** 2, mask)
-
-
 def update_minibatch(agent: Agent, args: "Args", state: TrainState, batch: dict, groups: "Groups"):
     """One gradient step on a global minibatch. batch: this device's share, (groups, rows, width) per field. Every
     sum is taken per group, then over all groups of all devices (groups.total)."""
@@ -264,7 +259,7 @@ def update_minibatch(agent: Agent, args: "Args", state: TrainState, batch: dict,
     if args.norm_adv:  # statistics of the global minibatch, whatever the layout
         advantages = batch["advantages"]
         mean = groups.total(jnp.vdot, advantages, mask) / count
-        std = jnp.sqrt(groups.total(partial(squared_deviations, mean), advantages, mask) / count)
+        std = jnp.sqrt(groups.total(lambda a, m: jnp.vdot((a - mean) ** 2, m), advantages, mask) / count)
         batch = dict(batch, advantages=(advantages - mean) / (std + 1e-8))
     grads, metrics = groups.gradients(partial(ppo_loss, agent, args), state.params, dict(batch, valid=mask), count)
     return state.apply_gradients(grads=grads), metrics
@@ -291,7 +286,7 @@ def learn(agent: Agent, args: "Args", shuffle_key, state: TrainState, rollout: "
     """One learner iteration on this learner device's envs (inside shard_map). The loop nest of one iteration:
     epochs x minibatches (lax.scan over minibatch_step) -> groups of envs (groups.total) -> micro-batches
     (groups.gradients). Returns the new state and the metrics averaged over the minibatches."""
-    groups = groups.of_class(0)  # minibatches take time steps of every env: one class (minibatch_classes)
+    groups = groups.of_env_set(0)  # every minibatch takes time steps of every env: one env set
     chunk_steps = args.num_steps // (args.num_minibatches * args.gradient_accumulation_steps)  # a micro-batch
     values = rollout_values(agent, state.params, rollout.obs, groups, chunk_steps)
     advantages, returns = compute_gae(
@@ -341,14 +336,14 @@ def make_optimizer(args: "Args"):
 
 
 @dataclass
-class Args(Algorithm, Basics):
-    """The flags most runs set (Basics), the algorithm's, then the engine's: envs, learner, logs, checkpoints."""
+class Args(Algorithm, CommonFlags):
+    """The flags most runs set (CommonFlags), the algorithm's, then the engine's: envs, learner, logs, checkpoints."""
 
     atari_protocol: Literal["machado", "impala"] = "machado"
     """Atari settings: Machado et al. 2018 (sticky actions) or the IMPALA paper's (life loss, 30 no-ops)"""
-    local_num_envs: int = flag(64, "[1, inf)", resumable=True)
+    local_num_envs: int = flag(64, "[1, inf)", may_change_on_resume=True)
     """the number of parallel envs of each actor thread"""
-    num_actor_threads: int = flag(2, "[1, inf)", resumable=True)
+    num_actor_threads: int = flag(2, "[1, inf)", may_change_on_resume=True)
     """the number of actor threads per actor device"""
     gradient_accumulation_steps: int = flag(1, "[1, inf)")
     """split each minibatch into this many micro-batches whose gradients are summed (saves memory)"""
@@ -356,53 +351,53 @@ class Args(Algorithm, Basics):
     """sum over fixed groups of envs in a fixed order: the same params, bit for bit, on every learner layout"""
     group_envs: int = flag(8, "[1, inf)")
     """with --exact: the envs of one actor thread per group (each group's gradient is computed on its own)"""
-    memory_check: bool = flag(True, resumable=True)
+    memory_check: bool = flag(True, may_change_on_resume=True)
     """refuse, before training, a learner update that needs more memory than its devices (or the host) have left"""
-    exp_name: str = flag(Path(__file__).stem, resumable=True)
+    exp_name: str = flag(Path(__file__).stem, may_change_on_resume=True)
     """the name of this experiment"""
-    run_name: str | None = flag(None, resumable=True)
+    run_name: str | None = flag(None, may_change_on_resume=True)
     """the run directory under runs/; without it env__exp__seed, then the SLURM job ids or the start time"""
-    log_frequency: int = flag(10, "[1, inf)", resumable=True)
+    log_frequency: int = flag(10, "[1, inf)", may_change_on_resume=True)
     """write charts/ and losses/ and print the progress line every this many iterations (stats/ every one)"""
-    track: bool = flag(False, resumable=True)
+    track: bool = flag(False, may_change_on_resume=True)
     """sync the TensorBoard logs to Weights and Biases"""
-    wandb_project_name: str = flag("cleanba", resumable=True)
+    wandb_project_name: str = flag("cleanba", may_change_on_resume=True)
     """the wandb project name"""
-    wandb_entity: str | None = flag(None, resumable=True)
+    wandb_entity: str | None = flag(None, may_change_on_resume=True)
     """the wandb entity (team); None uses your default entity"""
-    checkpoint_frequency: int = flag(0, "[0, inf)", resumable=True)
+    checkpoint_frequency: int = flag(0, "[0, inf)", may_change_on_resume=True)
     """save a checkpoint every this many iterations, at the last, and when stopped by SIGINT or SIGTERM (0: never)"""
-    resume: bool = flag(False, resumable=True)
+    resume: bool = flag(False, may_change_on_resume=True)
     """continue from runs/<run_name>/checkpoint.msgpack (automatic in a requeued SLURM job)"""
-    save_model: bool = flag(False, resumable=True)
+    save_model: bool = flag(False, may_change_on_resume=True)
     """save the final params and args to runs/<run_name>/<exp_name>.cleanba_model, then evaluate them"""
-    eval_episodes: int = flag(10, "[0, inf)", resumable=True)
+    eval_episodes: int = flag(10, "[0, inf)", may_change_on_resume=True)
     """with --save-model: episodes played by the saved model at the end, logged as eval/episodic_return (0: none)"""
-    capture_video: bool = flag(False, resumable=True)
+    capture_video: bool = flag(False, may_change_on_resume=True)
     """with --save-model: record the evaluation episodes of one env to runs/<run_name>/videos/*.mp4"""
-    upload_model: bool = flag(False, resumable=True)
+    upload_model: bool = flag(False, may_change_on_resume=True)
     """with --save-model: upload the model, its evaluation, videos and a model card to the Hugging Face Hub"""
-    hf_repo_id: str | None = flag(None, resumable=True)
+    hf_repo_id: str | None = flag(None, may_change_on_resume=True)
     """with --upload-model: the Hub repository; without it <your Hub user>/<env_id>-<exp_name>-seed<seed>"""
-    distributed: bool = flag(False, resumable=True)
+    distributed: bool = flag(False, may_change_on_resume=True)
     """call jax.distributed.initialize() first: several processes, e.g. one per node under SLURM"""
-    coordinator_address: str | None = flag(None, resumable=True)
+    coordinator_address: str | None = flag(None, may_change_on_resume=True)
     """with --distributed outside SLURM: host:port of process 0; without it $JAX_COORDINATOR_ADDRESS"""
-    num_processes: int | None = flag(None, resumable=True)
+    num_processes: int | None = flag(None, may_change_on_resume=True)
     """with --distributed outside SLURM: the number of processes"""
-    process_id: int | None = flag(None, resumable=True)
+    process_id: int | None = flag(None, may_change_on_resume=True)
     """with --distributed outside SLURM: the rank of this process, 0 .. num_processes - 1"""
-    heartbeat_timeout: int = flag(100, "[1, inf)", resumable=True)
+    heartbeat_timeout: int = flag(100, "[1, inf)", may_change_on_resume=True)
     """with --distributed: seconds after which the others abort when a process has died"""
-    stall_timeout: int = flag(0, "[0, inf)", resumable=True)
+    stall_timeout: int = flag(0, "[0, inf)", may_change_on_resume=True)
     """abort when no iteration completes for this many seconds, e.g. a peer process is stuck (0: never)"""
 
     # Sizes filled in at run time (paper, appendix A); not command-line flags.
-    world_size: tyro.conf.Suppress[int] = flag(0, resumable=True)  # the number of processes
-    process_index: tyro.conf.Suppress[int] = flag(0, resumable=True)  # this process's, 0 .. world_size - 1
+    world_size: tyro.conf.Suppress[int] = flag(0, may_change_on_resume=True)  # the number of processes
+    process_index: tyro.conf.Suppress[int] = flag(0, may_change_on_resume=True)  # this process's, 0 .. world_size - 1
     num_envs: tyro.conf.Suppress[int] = 0
-    local_batch_size: tyro.conf.Suppress[int] = flag(0, resumable=True)
-    local_minibatch_size: tyro.conf.Suppress[int] = flag(0, resumable=True)
+    local_batch_size: tyro.conf.Suppress[int] = flag(0, may_change_on_resume=True)
+    local_minibatch_size: tyro.conf.Suppress[int] = flag(0, may_change_on_resume=True)
     batch_size: tyro.conf.Suppress[int] = 0
     minibatch_size: tyro.conf.Suppress[int] = 0
     num_iterations: tyro.conf.Suppress[int] = 0
@@ -516,16 +511,17 @@ def make_policy(args: Args, agent, action_key):
 
 
 @plumbing.stops_run_on_error  # an error in an actor thread stops the run; the main thread reports it
-def rollout_actor(args, start_iteration, thread_index, device, mesh, policy, param_queue, rollout_queue, stop):
+def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_queue, rollout_queue, stop):
     """Thread body: for each iteration, take the params the learner queued for it, play num_steps steps of its envs,
-    queue the rollout. How far behind the learner it runs is decided by the learner alone (train)."""
-    first_env = thread_index * args.local_num_envs  # global env indices, the same on every layout
+    queue the rollout. How far behind the learner it runs is decided by the learner alone (train). actor_id: the
+    thread's index over the actor threads of all processes."""
+    first_env = actor_id * args.local_num_envs  # global env indices, the same on every layout
     env_ids = np.arange(first_env, first_env + args.local_num_envs, dtype=np.int32)
     envs = make_env(args, args.local_num_envs, seed=args.seed + first_env)
     try:
         T, n = args.num_steps, args.local_num_envs
         env_ids_on_device = jax.device_put(env_ids, device)
-        episode_returns, episode_lengths = np.zeros(n), np.zeros(n, dtype=np.int64)
+        scores = plumbing.GameScores(n)
         envs.async_reset()
         next_obs, _, _, _, info = envs.recv()
         # EnvPool resets an env on the step after its episode ends (a lost life too, with episodic_life): that step
@@ -560,14 +556,11 @@ def rollout_actor(args, start_iteration, thread_index, device, mesh, policy, par
                 resetting = terminated | truncated
                 # Scores are raw game rewards until the real game over (not a lost life, not clipped). EnvPool's
                 # info["terminated"] is int32: unconverted, it would index envs 0 and 1 instead of masking.
-                episode_returns += info.get("reward", reward)
-                episode_lengths += storage.valid[t]
                 game_over = info.get("terminated", terminated).astype(bool) | truncated
-                returns[t, game_over], lengths[t, game_over] = episode_returns[game_over], episode_lengths[game_over]
-                episode_returns[game_over], episode_lengths[game_over] = 0.0, 0
+                returns[t], lengths[t] = scores.step(info.get("reward", reward), storage.valid[t], game_over)
                 clock.lap("storage")
             storage.obs[T] = next_obs
-            rollout = put_on_learners(args, storage, mesh)
+            rollout = put_on_learners(storage, mesh, learner_blocks(args))
             clock.lap("host_to_device")
             waited, timings = clock.sums.pop("param_queue_wait"), clock.sums
             rollout_info = RolloutInfo(
@@ -578,55 +571,36 @@ def rollout_actor(args, start_iteration, thread_index, device, mesh, policy, par
         envs.close()
 
 
-# ---- Learner: each actor thread's rollout split over the learner devices, and the update of all of them
+def make_actor_threads(args: Args, start_iteration: int, mesh: Mesh, policy, stop: Stop) -> tuple:
+    """(param queues, rollout queues, threads) of this process's actor threads, not started. Each queue holds one
+    item: the params of an actor's next rollout, or its last rollout."""
+    devices = [jax.local_devices()[i] for i in args.actor_device_ids for _ in range(args.num_actor_threads)]
+    param_queues, rollout_queues = [queue.Queue(maxsize=1) for _ in devices], [queue.Queue(maxsize=1) for _ in devices]
+    threads = []
+    for local_id, (device, param_queue, rollout_queue) in enumerate(zip(devices, param_queues, rollout_queues)):
+        actor_id = args.process_index * len(devices) + local_id  # over all processes: it fixes the actor's envs
+        actor_args = (args, start_iteration, actor_id, device, mesh, policy, param_queue, rollout_queue, stop)
+        threads.append(threading.Thread(target=rollout_actor, args=actor_args, name=f"actor-{actor_id}", daemon=True))
+    return param_queues, rollout_queues, threads
 
 
-def learner_shards(args: Args, env_ids: np.ndarray, num_devices: int) -> list:
-    """For each local learner device, the slice of one actor thread's envs it gets and the ids of the masked pad envs
-    that fill it up to whole blocks of the algorithm's groups (cleanba/reductions.py)."""
-    return split_envs(env_ids, num_devices, *env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS))
+# ---- Learner: the update of every actor thread's rollout, split over the learner devices (put_on_learners)
 
 
-def put_on_learners(args: Args, rollout: Rollout, mesh: Mesh) -> Rollout:
-    """Split along envs (axis 1 of every field; padded where they do not split evenly), one transfer per leaf and
-    learner device of this process, and assemble the global sharded arrays."""
-    shards = learner_shards(args, rollout.env_ids[0], len(mesh.local_devices))
-
-    def put(name: str, x: np.ndarray):
-        parts = []
-        for (envs, pad_ids), device in zip(shards, mesh.local_devices):
-            part = x[:, envs]
-            if len(pad_ids):  # pad envs: their ids, and zeros elsewhere (valid False); no copy where none is needed
-                pad = (
-                    pad_ids[None] if name == "env_ids" else np.zeros((x.shape[0], len(pad_ids), *x.shape[2:]), x.dtype)
-                )
-                part = np.concatenate([part, pad], axis=1)
-            parts.append(jax.device_put(part, device))
-        global_shape = (x.shape[0], parts[0].shape[1] * mesh.size, *x.shape[2:])  # the same width on every device
-        return jax.make_array_from_single_device_arrays(global_shape, NamedSharding(mesh, P(None, "learner")), parts)
-
-    return Rollout(*[put(name, x) for name, x in zip(Rollout._fields, rollout)])
-
-
-def learner_rollout_shapes(args: Args, fields: Rollout, mesh: Mesh) -> Rollout:
-    """One actor thread's rollout as put_on_learners hands it to the learner (padded, sharded): shapes only."""
-    envs = learner_shards(args, np.arange(args.local_num_envs), len(args.learner_device_ids))[0][0]
-    width = (envs.stop - envs.start) * mesh.size  # every learner device of every process holds the same width
-    sharding = NamedSharding(mesh, P(None, "learner"))
-    return Rollout(
-        *[jax.ShapeDtypeStruct((shape[0], width, *shape[2:]), dtype, sharding=sharding) for shape, dtype in fields]
-    )
+def learner_blocks(args: Args) -> tuple:
+    """(env sets, block size): learner devices get an actor thread's envs in whole blocks of the algorithm's groups."""
+    return learner_env_blocks(args, minibatch_env_sets(args), MICRO_BATCHES_SPLIT)
 
 
 def learner_update(agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
     """One learner iteration on this device's share of the envs of every actor thread (runs in shard_map)."""
     rollout = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *rollouts)  # every field: envs on axis 1
-    groups = make_groups(args, rollout.env_ids[0], minibatch_classes(args), MICRO_BATCH_AXIS)
+    groups = make_groups(args, rollout.env_ids[0], minibatch_env_sets(args), MICRO_BATCHES_SPLIT)
     return learn(agent, args, shuffle_key, state, rollout, groups)
 
 
-def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_slots: int):
-    """(state, one rollout per actor slot) -> (state, metrics), data-parallel over the mesh's learner devices.
+def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_actors: int):
+    """(state, one rollout per actor thread of this process) -> (state, metrics), data-parallel over the mesh.
     Loops (minibatches, groups, micro-batches) are rolled on every platform, so that memory is reused from one step
     to the next: the learner needs about one micro-batch step's memory (docs/gpu.md).
     Forking: `args` is read once, when the update is traced; a value that changes during training must be an input
@@ -635,7 +609,7 @@ def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_slots: i
         jax.shard_map(
             partial(learner_update, agent, args, shuffle_key),
             mesh=mesh,
-            in_specs=(P(), (P(None, "learner"),) * num_slots),
+            in_specs=(P(), (P(None, "learner"),) * num_actors),
             out_specs=(P(), P()),
             # Without replication typing, gradients stay per-device until the explicit sum over groups (Groups.sum)
             # (and rlax's scans, whose carries are unannotated, trace as they are).
@@ -672,135 +646,117 @@ def initial_state(agent, args: Args, observation_space, init_key) -> TrainState:
 # ---- Run: start sets up devices, state, the compiled update, queues and actor threads; train is the learner's loop
 
 
-class Run:
-    """What start() sets up for train() and stop_run()."""
+@dataclass
+class TrainingRun:
+    """What start() sets up for train(), then plumbing.shut_down and evaluate_and_exit."""
 
     args: Args
     stop: Stop  # set to stop every thread; it keeps why (a signal, an error)
     run_dir: Path  # runs/<run_name>: logs, checkpoint, model
-    checkpoint_path: Path
     mesh: Mesh  # the learner devices of all processes
     state: TrainState  # replicated over the mesh
-    completed: int  # the last iteration whose update is in `state`
+    iterations_done: int  # the last iteration whose update is in `state` (0: none)
     start_iteration: int  # the first iteration of this run (after a resumed checkpoint's)
     update: jax.stages.Compiled  # the learner update: (state, one rollout per actor thread) -> (state, metrics)
-    logger: plumbing.IterationLogger | None = None  # process 0's logs (None on the others)
+    logger: plumbing.IterationLogger | None  # process 0's logs (None on the others)
     param_queues: list  # per actor thread, size 1: the params of its next rollout
     rollout_queues: list  # per actor thread, size 1: its last rollout
     threads: list  # the actor threads, started by train
     model_path: Path | None = None  # set once the trained model is saved
 
-
-def initialize_distributed(args: Args):
-    """jax.distributed.initialize, with every local device the flags name visible to this process."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-    jax.distributed.initialize(
-        args.coordinator_address,
-        args.num_processes,
-        args.process_id,
-        local_device_ids=plumbing.local_device_ids(args),
-        heartbeat_timeout_seconds=args.heartbeat_timeout,
-    )
-    plumbing.print_rank()
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.msgpack"
 
 
-def start(args: Args) -> Run:
+def start(args: Args) -> TrainingRun:
     """Everything before the first iteration, in the order that lets bad input fail before any thread starts."""
     if args.exact:  # deterministic GPU kernels: what --exact needs besides its order of sums (read as XLA starts)
         add_xla_flags("--xla_gpu_deterministic_ops=true")
     if args.distributed:  # before anything touches a device
-        initialize_distributed(args)
+        plumbing.initialize_distributed(args)
     plumbing.check_devices(args)
     fill_runtime_sizes(args, jax.process_count(), jax.process_index())
-    run = Run()
-    run.args, run.stop = args, Stop()
-    run.run_dir = Path("runs") / (args.run_name or plumbing.default_run_name(args))
-    run.checkpoint_path = run.run_dir / "checkpoint.msgpack"
+    stop, run_dir = Stop(), Path("runs") / (args.run_name or plumbing.default_run_name(args))
     learners = [jax.local_devices(process_index=p)[i] for p in range(args.world_size) for i in args.learner_device_ids]
-    run.mesh = Mesh(np.array(learners), ("learner",))
+    mesh = Mesh(np.array(learners), ("learner",))
 
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
-    agent, state, action_key, shuffle_key = make_agent(args, spec, run.mesh)
+    agent, state, action_key, shuffle_key = make_agent(args, spec, mesh)
     if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
         from cleanba.evaluate import check_network
 
-        check_network(sys.modules[__name__], args, first_replica(state.params))
+        check_network(sys.modules[__name__], args, unreplicate(state.params))
     # With --resume or in a requeued SLURM job: the iteration and train state of the checkpoint (else 0 and state).
-    run.completed, run.state, episode_window = checkpoint.resume(args, run.checkpoint_path, state)
-    run.start_iteration = run.completed + 1
+    iterations_done, state, episode_window = checkpoint.resume(args, run_dir / "checkpoint.msgpack", state)
 
     fields = rollout_fields(args, spec.observation_space.shape, spec.observation_space.dtype)
-    rollouts = (learner_rollout_shapes(args, fields, run.mesh),) * plumbing.actor_threads(args)
-    compile_update = partial(compile_learner_update, agent, shuffle_key=shuffle_key, mesh=run.mesh, state=run.state)
+    rollouts = (learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args)),) * plumbing.actor_threads(args)
+    compile_update = partial(compile_learner_update, agent, shuffle_key=shuffle_key, mesh=mesh, state=state)
     compile_start = time.time()
-    run.update = compile_update(args, rollouts=rollouts)
+    update = compile_update(args, rollouts=rollouts)
     compile_time = time.time() - compile_start
     if args.memory_check:  # refuse a learner that cannot fit in memory, before training
-        plumbing.check_learner_memory(args, run.update, partial(compile_update, rollouts=rollouts), rollouts, fields)
+        plumbing.check_learner_memory(args, update, partial(compile_update, rollouts=rollouts), rollouts, fields)
 
+    logger = None
     if args.process_index == 0:  # only process 0 writes logs, checkpoints and the model
-        purge_step = run.completed * args.batch_size + 1 if run.completed else None  # resumed: drop later logs
-        run.logger = plumbing.IterationLogger(args, run.run_dir, purge_step, episode_window, compile_time)
-        plumbing.print_start(args, run.run_dir, env_blocks(args, minibatch_classes(args), MICRO_BATCH_AXIS))
+        purge_step = iterations_done * args.batch_size + 1 if iterations_done else None  # resumed: drop later logs
+        logger = plumbing.IterationLogger(args, run_dir, purge_step, episode_window, compile_time)
+        plumbing.print_start(args, run_dir, learner_blocks(args))
 
-    policy = make_policy(args, agent, action_key)
-    devices = [jax.local_devices()[i] for i in args.actor_device_ids for _ in range(args.num_actor_threads)]
-    run.param_queues = [queue.Queue(maxsize=1) for _ in devices]
-    run.rollout_queues = [queue.Queue(maxsize=1) for _ in devices]
-    run.threads = []
-    for slot, device in enumerate(devices):
-        index = args.process_index * len(devices) + slot  # over all processes: its envs are the same on any layout
-        queues = run.param_queues[slot], run.rollout_queues[slot]
-        actor_args = (args, run.start_iteration, index, device, run.mesh, policy, *queues, run.stop)
-        run.threads.append(threading.Thread(target=rollout_actor, args=actor_args, name=f"actor-{index}", daemon=True))
-    plumbing.handle_signals(run.stop, args.distributed)
-    return run
+    actors = make_actor_threads(args, iterations_done + 1, mesh, make_policy(args, agent, action_key), stop)
+    plumbing.handle_signals(stop, args.distributed)
+    return TrainingRun(args, stop, run_dir, mesh, state, iterations_done, iterations_done + 1, update, logger, *actors)
 
 
-def put_params(run: Run):
-    replica = first_replica(run.state.params)
-    for q in run.param_queues:
-        queue_put(q, (run.completed, replica), run.stop)
+def send_params_for_rollout(run: TrainingRun, rollout: int):
+    """Queue the current params for every actor thread as those of its rollout number `rollout`, if the run has it:
+    an actor takes params before each rollout, so params sent for no rollout would wait forever in a full queue."""
+    if rollout <= run.args.num_iterations:
+        params = unreplicate(run.state.params)
+        for q in run.param_queues:
+            queue_put(q, (run.iterations_done, params), run.stop)
 
 
-def train(run: Run):
+def train(run: TrainingRun):
     """The learner's loop, from run.start_iteration to the end or a stop; the model saved at the end."""
     args, stop = run.args, run.stop
-    # Before the first puts: each waits for an actor to take the previous one, so a stuck actor would stop them.
+    # Before the first sends: each waits for an actor to take the previous one, so a stuck actor would stop them.
     last_progress = plumbing.start_watchdog(args.stall_timeout, stop)
     for thread in run.threads:
         thread.start()
-    # The one-step lag (paper, section 4), stated here only: rollout i is collected with the params of update
-    # i - 1 - lag, so with concurrency the first two rollouts share the starting params and the actor collects d_2
-    # with pi_1 while the learner makes pi_2 from d_1. Each actor takes params before every rollout, and only the
-    # params of a rollout it plays are queued: one more would wait forever for a full queue to empty.
+    # The one-step lag (paper, section 4): rollout i is played with the params of update i - 1 - lag.
     lag = int(args.concurrency)
-    for _ in range(run.start_iteration, min(run.start_iteration + lag, args.num_iterations) + 1):
-        put_params(run)  # the starting params of rollouts start_iteration .. start_iteration + lag
+    for rollout in range(run.start_iteration, run.start_iteration + 1 + lag):  # played with the starting params
+        send_params_for_rollout(run, rollout)
     process_gather = plumbing.make_process_gather(run.mesh)
-    taken = [None] * len(run.rollout_queues)  # when the learner took each actor's last rollout
+    taken_at = [None] * len(run.rollout_queues)  # when the learner took each actor's last rollout
     for iteration in range(run.start_iteration, args.num_iterations + 1):
         start_time = time.time()
-        items = [queue_get(q, stop) for q in run.rollout_queues]
+        received = [queue_get(q, stop) for q in run.rollout_queues]  # (rollout, RolloutInfo) of each actor thread
         rollout_queue_wait = time.time() - start_time
         # An actor queues a rollout once the learner took its previous one: the wait is known at this take.
-        infos = [
+        rollout_infos = [
             info._replace(rollout_queue_wait=max(0.0, (previous or info.handover_start) - info.handover_start))
-            for (_, info), previous in zip(items, taken)
+            for (_, info), previous in zip(received, taken_at)
         ]
-        taken = [time.time()] * len(items)
+        taken_at = [time.time()] * len(received)
         start_time = time.time()
-        run.state, metrics = run.update(run.state, tuple(rollout for rollout, _ in items))
+        run.state, metrics = run.update(run.state, tuple(rollout for rollout, _ in received))
         jax.block_until_ready(run.state)
         learner_update_time = time.time() - start_time
-        run.completed = iteration
+        run.iterations_done = iteration
         last_progress[0] = time.time()
-        if iteration + 1 + lag <= args.num_iterations:  # the params of rollout iteration + 1 + lag
-            put_params(run)
-        # The games that ended, in global env order (actor slots, then processes): every process takes part.
-        episodes = process_gather(np.concatenate([np.stack([i.episode_returns, i.episode_lengths]) for i in infos], 2))
+        send_params_for_rollout(run, iteration + 1 + lag)
+        # The games that ended, in global env order (actor threads, then processes): every process takes part.
+        episodes = process_gather(
+            np.concatenate([np.stack([i.episode_returns, i.episode_lengths]) for i in rollout_infos], 2)
+        )
         if run.logger is not None:
-            run.logger.log(iteration, infos, episodes, rollout_queue_wait, learner_update_time, run.state, metrics)
+            run.logger.log(
+                iteration, rollout_infos, episodes, rollout_queue_wait, learner_update_time, run.state, metrics
+            )
             # And the last iteration's: a signal during the model's save or evaluation, or a requeue, then finds
             # nothing left to train.
             last = iteration == args.num_iterations
@@ -812,39 +768,9 @@ def train(run: Run):
             raise StopTraining
         if stop.is_set():
             raise StopTraining
-    print(f"rank {args.process_index}: final params sha256 {digest(first_replica(run.state.params))}", flush=True)
+    print(f"rank {args.process_index}: final params sha256 {digest(unreplicate(run.state.params))}", flush=True)
     if args.save_model and run.logger is not None:
         run.model_path = checkpoint.save_trained_model(run, Path(__file__).name)
-
-
-def stop_run(run: Run):
-    """After train, however it ended: every actor thread joined, a checkpoint when a signal stopped the run, and the
-    barrier of all processes (before process 0 evaluates, so that none waits for it)."""
-    run.stop.set()
-    plumbing.join_threads(run.threads)
-    signalled = run.stop.signals and not run.stop.errors and run.completed >= run.start_iteration
-    if signalled and run.logger is not None and run.args.checkpoint_frequency:
-        checkpoint.save_run_checkpoint(run)
-        print(f"checkpoint of iteration {run.completed} saved to {run.checkpoint_path}", flush=True)
-    if run.logger is not None:
-        run.logger.writer.flush()
-    if run.args.distributed:
-        if run.stop.errors:  # the others may wait for this process in a collective, and a shutdown would wait for
-            plumbing.exit_status(run.stop, run.completed, now=True)  # them: exit now, they abort (--heartbeat-timeout)
-        jax.distributed.shutdown()
-
-
-def finish(run: Run):
-    """After stop_run: the saved model's evaluation, the logs closed, and the exit status of how the run ended."""
-    try:
-        if run.model_path is not None and run.args.eval_episodes and not run.stop.signals:
-            from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
-
-            evaluate_after_training(sys.modules[__name__], run)
-    finally:
-        if run.logger is not None:
-            run.logger.close()
-    plumbing.exit_status(run.stop, run.completed)
 
 
 def main(args: Args):
@@ -856,8 +782,8 @@ def main(args: Args):
     except Exception as error:  # the learner failed: the run ends as on an actor's error
         run.stop.errors.append(error)
     finally:
-        stop_run(run)
-    finish(run)
+        plumbing.shut_down(run, checkpoint.save_run_checkpoint)  # also after an error: threads joined
+    plumbing.evaluate_and_exit(run, sys.modules[__name__])
 
 
 if __name__ == "__main__":

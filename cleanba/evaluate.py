@@ -336,7 +336,7 @@ def upload(
 
 
 def evaluate_after_training(module, run):
-    """The end of a --save-model run (run: the training script's Run): evaluate the saved params, log
+    """The end of a --save-model run (run: the training script's TrainingRun): evaluate the saved params, log
     eval/episodic_return, record, upload. A signal (run.stop) interrupts it."""
     start, args = time.time(), run.args
     params = load_model(run.model_path)[1]  # what the file holds: the round trip is part of what is evaluated

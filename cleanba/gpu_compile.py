@@ -45,6 +45,7 @@ import tyro
 from cleanba import startup
 from cleanba.benchmark import load_script, resolve_script, split_argv
 from cleanba.plumbing import actor_threads, fail
+from cleanba.reductions import learner_shapes
 
 SPECS = Path(__file__).with_name("gpu_targets")
 # Dense TF32 tensor-core peaks (NVIDIA data sheets): XLA's default precision for float32 convolutions and matmuls
@@ -130,11 +131,11 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     replicated = NamedSharding(mesh, P())
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
     fields = module.rollout_fields(args, space.shape, space.dtype)
-    slots = actor_threads(args)
-    rollouts = (module.learner_rollout_shapes(args, fields, mesh),) * slots
+    num_actors = actor_threads(args)
+    rollouts = (learner_shapes(fields, args.local_num_envs, mesh, module.learner_blocks(args)),) * num_actors
 
     start = time.time()
-    update = module.make_learner_update(agent, args, shuffle_key, mesh, slots)
+    update = module.make_learner_update(agent, args, shuffle_key, mesh, num_actors)
     lowered = update.lower(state, rollouts)
     compiled = lowered.compile()
     learner_seconds = time.time() - start

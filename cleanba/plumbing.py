@@ -60,11 +60,11 @@ def in_range(value: float, interval: str) -> bool:
     return above and below
 
 
-def flag(default, interval: str | None = None, *, resumable: bool = False):
+def flag(default, interval: str | None = None, *, may_change_on_resume: bool = False):
     """A field of a script's Args with what the engine needs to know of it: the interval of meaningful values of a
     numeric flag ("[low, high)": "[" and "]" include the bound), refused outside it before anything starts; and
     whether a resumed run may change it (it changes where or how a run computes or reports, not what it learns)."""
-    metadata = dict(range=interval, resumable=resumable)
+    metadata = dict(range=interval, may_change_on_resume=may_change_on_resume)
     if isinstance(default, list):
         return field(default_factory=partial(list, default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -75,9 +75,9 @@ def flag_ranges(args) -> dict:
     return {f.name: f.metadata["range"] for f in fields(args) if f.metadata.get("range")}
 
 
-def resumable_flags(args) -> set:
-    """The names of the flags a resumed run may change (flag(..., resumable=True))."""
-    return {f.name for f in fields(args) if f.metadata.get("resumable")}
+def flags_that_may_change_on_resume(args) -> set:
+    """The names of the flags a resumed run may change (flag(..., may_change_on_resume=True))."""
+    return {f.name for f in fields(args) if f.metadata.get("may_change_on_resume")}
 
 
 def field_docstring(args_class, name: str) -> str:
@@ -319,14 +319,14 @@ def default_run_name(args) -> str:
     return f"{name}__{int(time.time())}"
 
 
-def first_replica(tree):
-    """The learner's replicated arrays as arrays on one local device, for the actors and for saving."""
+def unreplicate(tree):
+    """The learner's replicated arrays as arrays on one local device (its first), for the actors and for saving."""
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
 def host(tree):
     """The learner's replicated arrays as numpy arrays, for checkpoints and saved models."""
-    return jax.device_get(first_replica(tree))
+    return jax.device_get(unreplicate(tree))
 
 
 def digest(tree) -> str:
@@ -382,10 +382,41 @@ class Stopwatch:
         self.last = now
 
 
+class GameScores:
+    """The raw score and length (in valid agent steps) of each env's game in play, in an actor thread."""
+
+    def __init__(self, num_envs: int):
+        self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
+
+    def step(self, raw_rewards: np.ndarray, valid: np.ndarray, game_over: np.ndarray) -> tuple:
+        """(returns, lengths) of the games that end at this step (NaN for the other envs); those games then restart."""
+        self.returns += raw_rewards
+        self.lengths += valid
+        ended = np.where(game_over, self.returns, np.nan), np.where(game_over, self.lengths, np.nan)
+        self.returns[game_over], self.lengths[game_over] = 0.0, 0
+        return ended
+
+
 def format_duration(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def pipeline_stats(iteration: int, rollout_infos: list, queue_wait: float, update_time: float) -> dict:
+    """An iteration's stats/ of the pipeline: policy versions, queue waits, where the time went (docs/metrics.md)."""
+    stats = {
+        "actor_policy_version": min(info.policy_version for info in rollout_infos),
+        "learner_policy_version": iteration - 1,  # the version this update trained
+        "rollout_queue_wait": queue_wait,
+        "param_queue_wait": float(np.mean([info.param_queue_wait for info in rollout_infos])),
+        "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in rollout_infos])),
+        "actor_rollout_time": float(np.mean([info.rollout_time for info in rollout_infos])),
+        "learner_update_time": update_time,
+    }
+    for name in rollout_infos[0].timings:  # where the actors' rollout time went, e.g. stats/actor_env_recv_time
+        stats[f"actor_{name}_time"] = float(np.mean([info.timings[name] for info in rollout_infos]))
+    return stats
 
 
 class IterationLogger:
@@ -422,42 +453,26 @@ class IterationLogger:
         self.compile_time = compile_time
 
     def log(
-        self,
-        iteration: int,
-        infos: list,
-        episodes: np.ndarray,
-        rollout_queue_wait: float,
-        learner_update_time: float,
-        state,
-        metrics: dict,
+        self, iteration: int, rollout_infos: list, episodes: np.ndarray, queue_wait: float, update_time, state, metrics
     ):
-        """infos: the actors' RolloutInfo. episodes: (2, T, num_envs) returns and lengths of the games of all envs
-        that ended (NaN elsewhere)."""
+        """rollout_infos: the actors' RolloutInfo. episodes: (2, T, num_envs) returns and lengths of the games of all
+        envs that ended (NaN elsewhere). queue_wait and update_time: the learner's wait for the rollouts and the
+        seconds its update took."""
         args, writer = self.args, self.writer
         ended = np.isfinite(episodes[0])  # in (step, global env id) order: the same on every layout
         self.recent_returns.extend(episodes[0][ended])
         self.recent_lengths.extend(episodes[1][ended])
         global_step = iteration * args.batch_size
         self.window_steps += args.batch_size
-        stats = {
-            "actor_policy_version": min(info.policy_version for info in infos),
-            "learner_policy_version": iteration - 1,  # the version this update trained
-            "rollout_queue_wait": rollout_queue_wait,
-            "param_queue_wait": float(np.mean([info.param_queue_wait for info in infos])),
-            "actor_rollout_queue_wait": float(np.mean([info.rollout_queue_wait for info in infos])),
-            "actor_rollout_time": float(np.mean([info.rollout_time for info in infos])),
-            "learner_update_time": learner_update_time,
-            "params_checksum": int(params_checksum(first_replica(state.params))),
-        }
-        for name in infos[0].timings:  # where the actors' rollout time went, e.g. stats/actor_env_recv_time
-            stats[f"actor_{name}_time"] = float(np.mean([info.timings[name] for info in infos]))
+        stats = pipeline_stats(iteration, rollout_infos, queue_wait, update_time)
+        stats["params_checksum"] = int(params_checksum(unreplicate(state.params)))
         if self.compile_time is not None:
             stats["learner_compile_time"], self.compile_time = self.compile_time, None
         for key, value in stats.items():
             writer.add_scalar(f"stats/{key}", value, global_step)
         if iteration % args.log_frequency and iteration != args.num_iterations:
             return
-        for key, value in jax.device_get(first_replica(metrics)).items():
+        for key, value in jax.device_get(unreplicate(metrics)).items():
             writer.add_scalar(f"losses/{key}", float(value), global_step)
         sps = self.window_steps / (time.time() - self.window_start)
         self.window_start, self.window_steps = time.time(), 0
@@ -465,7 +480,7 @@ class IterationLogger:
         learning_rate = optax.tree_utils.tree_get(
             state.opt_state, "learning_rate", filtering=lambda _, value: isinstance(value, jax.Array)
         )
-        learning_rate = jax.device_get(first_replica(learning_rate))
+        learning_rate = jax.device_get(unreplicate(learning_rate))
         writer.add_scalar("charts/SPS", sps, global_step)
         writer.add_scalar("charts/learning_rate", float(learning_rate), global_step)
         recent = "n/a"
@@ -494,7 +509,7 @@ class IterationLogger:
             wandb.finish()
 
 
-# ---- Start-up and shut-down of a run (the scripts' start, train and stop_run call these)
+# ---- Start-up and shut-down of a run (the scripts' start, train and shut_down call these)
 
 
 def local_device_ids(args) -> list | None:
@@ -504,6 +519,19 @@ def local_device_ids(args) -> list | None:
     if "JAX_LOCAL_DEVICE_IDS" in os.environ:
         return None
     return list(range(max(args.actor_device_ids + args.learner_device_ids) + 1))
+
+
+def initialize_distributed(args):
+    """jax.distributed.initialize, with every local device the flags name visible to this process."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    jax.distributed.initialize(
+        args.coordinator_address,
+        args.num_processes,
+        args.process_id,
+        local_device_ids=local_device_ids(args),
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+    )
+    print_rank()
 
 
 def print_rank():
@@ -534,7 +562,7 @@ def check_learner_memory(args, update, compile_update, rollouts: tuple, fields):
 
 def print_start(args, run_dir: Path, blocks: tuple):
     """The start line of a run (process 0): its sizes, devices, logs and versions; with --exact, where its bits hold.
-    blocks: (classes, block) of reductions.env_blocks, how the learner devices split an actor thread's envs."""
+    blocks: (env_sets, block_size) of reductions.learner_env_blocks, how learner devices split an actor's envs."""
     block, num_learner_devices = blocks[1], args.world_size * len(args.learner_device_ids)
     kind = jax.local_devices()[args.learner_device_ids[0]].device_kind  # "cpu", "NVIDIA H100 80GB HBM3"
     shards = split_envs(np.arange(args.local_num_envs), len(args.learner_device_ids), *blocks)
@@ -638,7 +666,7 @@ def make_process_gather(mesh):
         stacked = jax.make_array_from_single_device_arrays(
             (mesh.size, *x.shape), NamedSharding(mesh, P("learner")), parts
         )
-        return np.concatenate(list(np.asarray(first_replica(replicate(stacked)))[:: len(local_devices)]), axis=-1)
+        return np.concatenate(list(np.asarray(unreplicate(replicate(stacked)))[:: len(local_devices)]), axis=-1)
 
     return gather
 
@@ -651,9 +679,9 @@ def join_threads(threads: list):
         print("warning: an actor thread did not stop within 30 s", file=sys.stderr)
 
 
-def exit_status(stop: Stop, completed: int, now: bool = False):
+def exit_status(stop: Stop, iterations_done: int, now: bool = False):
     """The end of a run that stopped early: the first error, of an actor thread or the learner (exit status 1), or the
-    signal (128 + it). now: exit on an error at once, skipping Python's shutdown (see stop_run)."""
+    signal (128 + it). now: exit on an error at once, skipping Python's shutdown (see shut_down)."""
     if stop.errors:
         print_exception(stop.errors[0])
         print(f"the run stopped on an error ({type(stop.errors[0]).__name__})", file=sys.stderr, flush=True)
@@ -662,5 +690,37 @@ def exit_status(stop: Stop, completed: int, now: bool = False):
             os._exit(1)
         sys.exit(1)
     if stop.signals:
-        print(f"stopped by signal {stop.signals[0]} after iteration {completed}", file=sys.stderr)
+        print(f"stopped by signal {stop.signals[0]} after iteration {iterations_done}", file=sys.stderr)
         sys.exit(128 + stop.signals[0])
+
+
+def shut_down(run, save_checkpoint):
+    """After a script's train, however it ended (run: its TrainingRun): every actor thread joined, a checkpoint
+    (save_checkpoint(run)) when a signal stopped the run, and the barrier of all processes (before process 0
+    evaluates, so that none waits for it)."""
+    run.stop.set()
+    join_threads(run.threads)
+    signalled = run.stop.signals and not run.stop.errors and run.iterations_done >= run.start_iteration
+    if signalled and run.logger is not None and run.args.checkpoint_frequency:
+        save_checkpoint(run)
+        print(f"checkpoint of iteration {run.iterations_done} saved to {run.checkpoint_path}", flush=True)
+    if run.logger is not None:
+        run.logger.writer.flush()
+    if run.args.distributed:
+        if run.stop.errors:  # the others may wait for this process in a collective, and a shutdown would wait for
+            exit_status(run.stop, run.iterations_done, now=True)  # them: exit now, they abort (--heartbeat-timeout)
+        jax.distributed.shutdown()
+
+
+def evaluate_and_exit(run, script):
+    """After shut_down: the saved model's evaluation (script: the training script's module), the logs closed, and the
+    exit status of how the run ended."""
+    try:
+        if run.model_path is not None and run.args.eval_episodes and not run.stop.signals:
+            from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
+
+            evaluate_after_training(script, run)
+    finally:
+        if run.logger is not None:
+            run.logger.close()
+    exit_status(run.stop, run.iterations_done)

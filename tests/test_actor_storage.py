@@ -43,9 +43,9 @@ envpool.make = lambda *args, **kwargs: Recording(make(*args, **kwargs))
 module.env_kwargs = lambda args: dict(env_kwargs(args), max_episode_steps=limit)
 
 
-def storing(args, rollout, mesh):
+def storing(rollout, mesh, blocks):
     stored.append([np.array(x) for x in rollout])
-    return put_on_learners(args, rollout, mesh)
+    return put_on_learners(rollout, mesh, blocks)
 
 
 def queueing(q, item, stop):

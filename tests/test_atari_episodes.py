@@ -48,7 +48,7 @@ def actor_rollouts(script: str, protocol: str, iterations: int):
     mesh = Mesh(np.array([device]), ("learner",))
     spec = envpool.make_spec(args.env_id, **module.env_kwargs(args))
     agent, state, action_key, _ = module.make_agent(args, spec, mesh)
-    params = module.first_replica(state.params)
+    params = module.unreplicate(state.params)
     param_queue, rollout_queue = queue.Queue(maxsize=1), queue.Queue(maxsize=1)
     stop = module.Stop()
     policy = module.make_policy(args, agent, action_key)

@@ -11,13 +11,20 @@ import pytest
 from conftest import ROOT, SCRIPTS
 
 MARKER = "# ======== ENGINE:"
-TOOLS = ["evaluate.py", "benchmark.py", "gpu_compile.py"]
+TOOLS = [
+    "evaluate.py",
+    "gpu_compile.py",
+    "benchmark.py",
+    "benchmark_common.py",
+    "benchmark_phases.py",
+    "benchmark_layers.py",
+]
 # The algorithm as the engine calls it: what a fork must keep (docs/forking.md).
 ALGORITHM_NAMES = (
     "Algorithm",
     "check_algorithm",
-    "MICRO_BATCH_AXIS",
-    "minibatch_classes",
+    "MICRO_BATCHES_SPLIT",
+    "minibatch_env_sets",
     "make_network",
     "learn",
     "make_optimizer",
@@ -25,7 +32,7 @@ ALGORITHM_NAMES = (
 
 
 def parts(script: str) -> tuple:
-    """(top: after the module docstring up to the algorithm, i.e. the imports and the first flags (Basics); the
+    """(top: after the module docstring up to the algorithm, i.e. the imports and the first flags (CommonFlags); the
     algorithm; the engine) of a script's text."""
     text = SCRIPTS[script].read_text()
     assert text.count(MARKER) == 1, f"{SCRIPTS[script].name}: one ENGINE line expected"

@@ -12,7 +12,8 @@ import pytest
 import tyro
 from conftest import TINY
 
-from cleanba.plumbing import digest, first_replica
+from cleanba import plumbing
+from cleanba.plumbing import digest, unreplicate
 
 ITERATIONS, THREADS, ENVS = 4, 2, 4
 
@@ -43,19 +44,19 @@ def test_every_actor_thread_plays_the_params_of_its_lag(script, concurrency, tmp
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         run = module.start(args)
-        updates = [digest(first_replica(run.state.params))]  # updates[j]: the params after update j
+        updates = [digest(unreplicate(run.state.params))]  # updates[j]: the params after update j
         update = run.update
 
         def recording_update(state, rollouts):
             state, metrics = update(state, rollouts)
-            updates.append(digest(first_replica(state.params)))
+            updates.append(digest(unreplicate(state.params)))
             return state, metrics
 
         run.update = recording_update
         try:
             module.train(run)
         finally:
-            module.stop_run(run)
+            plumbing.shut_down(run, module.checkpoint.save_run_checkpoint)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)

@@ -61,7 +61,7 @@ from cleanba import checkpoint
 save = checkpoint.save_run_checkpoint
 def save_and_keep(run):
     save(run)
-    shutil.copyfile(run.checkpoint_path, f"{run.checkpoint_path}.{run.completed}")
+    shutil.copyfile(run.checkpoint_path, f"{run.checkpoint_path}.{run.iterations_done}")
 checkpoint.save_run_checkpoint = save_and_keep
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -276,10 +276,10 @@ def test_logger_starts_from_the_saved_window(tmp_path):
     assert window["lengths"].tolist() == [*range(20, 200, 10), 1000.0, 1010.0]
 
 
-# What a resumed run may change (flag(..., resumable=True)): where and how it computes, logs and saves, never what it
-# learns. A flag added here must be one that changes no bit of a run's params (tests/test_exact.py resumes across
-# layouts bit for bit); every other flag of the command line must match the checkpoint's.
-RESUMABLE = {
+# What a resumed run may change (flag(..., may_change_on_resume=True)): where and how it computes, logs and saves,
+# never what it learns. A flag added here must be one that changes no bit of a run's params (tests/test_exact.py
+# resumes across layouts bit for bit); every other flag of the command line must match the checkpoint's.
+MAY_CHANGE_ON_RESUME = {
     *["actor_device_ids", "learner_device_ids", "local_num_envs", "num_actor_threads", "memory_check"],
     *["distributed", "coordinator_address", "num_processes", "process_id", "heartbeat_timeout", "stall_timeout"],
     *["exp_name", "run_name", "resume", "log_frequency", "track", "wandb_project_name", "wandb_entity"],
@@ -317,9 +317,9 @@ def other_value(value, hint):
 
 def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_path):
     """The checkpoint's check of the resuming command's flags (checkpoint.load_checkpoint, called by the scripts'
-    --resume and by a requeued SLURM job): which flags it lets change (RESUMABLE, the same for both scripts); each
-    other flag, changed on its own, refused naming it; each resumable one, changed on its own, let through.
-    tests/test_resume_continues_the_run takes a real run's checkpoint through the command line."""
+    --resume and by a requeued SLURM job): which flags it lets change (MAY_CHANGE_ON_RESUME, the same for both
+    scripts); each other flag, changed on its own, refused naming it; each one that may change, changed on its own,
+    let through. tests/test_resume_continues_the_run takes a real run's checkpoint through the command line."""
     from dataclasses import asdict, fields, replace
 
     from cleanba import checkpoint, plumbing
@@ -327,20 +327,20 @@ def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_pa
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     hints = typing.get_type_hints(module.Args, include_extras=True)
     flags = {f.name for f in fields(module.Args) if "Suppress" not in repr(hints[f.name])}
-    assert plumbing.resumable_flags(module.Args) == RESUMABLE
-    assert flags - RESUMABLE == set(LEARNED["common"] + LEARNED[script])
+    assert plumbing.flags_that_may_change_on_resume(module.Args) == MAY_CHANGE_ON_RESUME
+    assert flags - MAY_CHANGE_ON_RESUME == set(LEARNED["common"] + LEARNED[script])
     args = module.Args()
     module.fill_runtime_sizes(args, 1, 0)
     path, state = tmp_path / "checkpoint.msgpack", {"w": np.arange(3.0)}
     checkpoint.save_checkpoint(path, asdict(args), state, 5, {"returns": np.zeros(0), "lengths": np.zeros(0)})
     for name in sorted(flags):
         other = replace(args, **{name: other_value(getattr(args, name), hints[name])})
-        if name in RESUMABLE:
-            iteration, restored, _ = checkpoint.load_checkpoint(path, asdict(other), state, RESUMABLE)
+        if name in MAY_CHANGE_ON_RESUME:
+            iteration, restored, _ = checkpoint.load_checkpoint(path, asdict(other), state, MAY_CHANGE_ON_RESUME)
             assert iteration == 5 and restored["w"].tolist() == [0.0, 1.0, 2.0], name
         else:
             with pytest.raises(ValueError, match=rf"was trained with {name}="):
-                checkpoint.load_checkpoint(path, asdict(other), state, RESUMABLE)
+                checkpoint.load_checkpoint(path, asdict(other), state, MAY_CHANGE_ON_RESUME)
 
 
 # Both lag settings, each resumed one of the two ways (the way does not change what follows the resume).

@@ -17,6 +17,8 @@ from conftest import (
     start_script,
 )
 
+from cleanba.reductions import split_envs
+
 # Every layout runs the same 8 envs in total with the same seed, so besides training on its own it must
 # learn exactly what a0-l0 learns. name: (flags, forced host devices, local_num_envs, actor threads)
 LAYOUTS = {
@@ -329,7 +331,7 @@ def test_default_sizes_on_three_learner_devices(script, extra, tmp_path):
     ("envs", "devices", "groups", "multiple"),
     [(64, 3, 1, 1), (64, 3, 4, 1), (6, 4, 4, 2), (5, 2, 3, 1), (1, 3, 1, 1), (128, 2, 4, 4)],
 )
-def test_learner_shards_split_every_env_once(envs, devices, groups, multiple):
+def test_learner_blocks_split_every_env_once(envs, devices, groups, multiple):
     """Every real env on exactly one device, the same width and the same count of every minibatch group (a
     multiple of the micro-batch count) on each device, pad ids negative and in the group they fill."""
     import dataclasses
@@ -338,7 +340,7 @@ def test_learner_shards_split_every_env_once(envs, devices, groups, multiple):
 
     args = dataclasses.replace(cleanba_impala.Args(), num_minibatches=groups, gradient_accumulation_steps=multiple)
     env_ids = np.arange(envs, 2 * envs, dtype=np.int32)  # the second actor thread's envs
-    shards = cleanba_impala.learner_shards(args, env_ids, devices)
+    shards = split_envs(env_ids, devices, *cleanba_impala.learner_blocks(args))
     assert len(shards) == devices
     columns = [np.concatenate([env_ids[envs_slice], pad_ids]) for envs_slice, pad_ids in shards]
     assert np.array_equal(np.sort(np.concatenate([env_ids[s] for s, _ in shards])), env_ids)
@@ -380,7 +382,7 @@ def test_exact_groups_are_the_same_on_every_layout(script, envs, devices, miniba
         members = env_ids[env_ids % classes == k]
         expected |= {tuple(members[i : i + group_envs]) for i in range(0, len(members), group_envs)}
     found = set()
-    for envs_slice, pad_ids in module.learner_shards(args, env_ids, devices):
+    for envs_slice, pad_ids in split_envs(env_ids, devices, *module.learner_blocks(args)):
         device = np.concatenate([env_ids[envs_slice], pad_ids])
         by_class = device[np.argsort(device % classes, kind="stable")].reshape(classes, -1, group_envs)
         for group in by_class.reshape(-1, group_envs):
