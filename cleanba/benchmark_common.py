@@ -24,6 +24,7 @@ SCRIPT_FUNCTIONS = (
     "Agent",
     "make_policy",
     "rollout_actor",
+    "make_actor_threads",
     "put_on_learners",
     "make_learner_update",
     "make_optimizer",

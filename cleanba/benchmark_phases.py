@@ -2,12 +2,12 @@
 dict of figures. The layers phase is in benchmark_layers.py."""
 
 import json
-import queue
 import runpy
 import sys
 import threading
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -144,37 +144,11 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     model = build_model(module, args)
     params = module.unreplicate(model["state"].params)  # where main() hands params over
     policy = module.make_policy(args, model["agent"], model["action_key"])
-    actors = actor_devices_and_ids(args)
-    param_queues = [queue.Queue(maxsize=1) for _ in actors]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in actors]
-    stop, threads = module.Stop(), []
-    for local_id, (d, actor_id) in enumerate(actors):
-        threads.append(
-            threading.Thread(
-                target=module.rollout_actor,
-                daemon=True,
-                name=f"actor-{actor_id}",
-                args=(
-                    args,
-                    1,
-                    actor_id,
-                    model["actor_devices"][d],
-                    model["mesh"],
-                    policy,
-                    param_queues[local_id],
-                    rollout_queues[local_id],
-                    stop,
-                ),
-            )
-        )
-        threads.append(
-            threading.Thread(
-                target=stops_run_on_error(feed_params),
-                daemon=True,
-                name=f"feeder-{actor_id}",
-                args=(module, param_queues[local_id], params, stop),
-            )
-        )
+    stop = module.Stop()
+    param_queues, rollout_queues, threads = module.make_actor_threads(args, 1, model["mesh"], policy, stop)
+    for actor_id, param_queue in enumerate(param_queues):  # a feeder per actor: params as fast as it takes them
+        feeder = partial(stops_run_on_error(feed_params), module, param_queue, params, stop)
+        threads.append(threading.Thread(target=feeder, name=f"feeder-{actor_id}", daemon=True))
     ends, rollout_times, timings = [], [], []
     try:
         for thread in threads:

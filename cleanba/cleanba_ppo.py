@@ -1,11 +1,10 @@
 """Cleanba PPO: actor threads step EnvPool on an actor device, a data-parallel learner trains on others.
 
-Read top to bottom: the flags most runs set; above the ENGINE line, the algorithm a fork edits (its flags and checks,
-the network, GAE, the PPO loss, the minibatches, the optimizer); below it, the engine, the same byte for byte in
-cleanba_impala.py (tests/test_engine.py), in the order a run uses it: envs, actor threads, learner, the run. Helpers:
-cleanba/reductions.py (the sums behind --exact), plumbing.py and checkpoint.py. Design and protocol: Huang et al.,
-"Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform" (arXiv 2310.00036); usage:
-README.md and docs/.
+Read top to bottom: the flags most runs set; above the ENGINE line, the algorithm a fork edits (flags, checks,
+network, GAE, PPO loss, minibatches, optimizer); below it, the engine, byte for byte as in cleanba_impala.py
+(tests/test_engine.py): envs, actor threads, learner, the run. Helpers: cleanba/reductions.py (the sums behind
+--exact), plumbing.py, checkpoint.py. Huang et al., "Cleanba: A Reproducible and Efficient Distributed Reinforcement
+Learning Platform" (arXiv 2310.00036). Usage: README.md and docs/.
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
@@ -648,7 +647,7 @@ def initial_state(agent, args: Args, observation_space, init_key) -> TrainState:
 
 @dataclass
 class TrainingRun:
-    """What start() sets up for train(), then plumbing.shut_down and evaluate_and_exit."""
+    """What start() sets up for train() and main's end (plumbing.shut_down, the evaluation, close_and_exit)."""
 
     args: Args
     stop: Stop  # set to stop every thread; it keeps why (a signal, an error)
@@ -781,9 +780,15 @@ def main(args: Args):
         pass  # a signal, or an actor failed: run.stop says which
     except Exception as error:  # the learner failed: the run ends as on an actor's error
         run.stop.errors.append(error)
+    finally:  # threads joined, a checkpoint if a signal stopped the run, all processes past their barrier
+        plumbing.shut_down(run, checkpoint.save_run_checkpoint)
+    try:
+        if run.model_path is not None and args.eval_episodes and not run.stop.signals:
+            from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
+
+            evaluate_after_training(sys.modules[__name__], run)
     finally:
-        plumbing.shut_down(run, checkpoint.save_run_checkpoint)  # also after an error: threads joined
-    plumbing.evaluate_and_exit(run, sys.modules[__name__])
+        plumbing.close_and_exit(run)
 
 
 if __name__ == "__main__":

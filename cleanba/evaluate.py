@@ -33,7 +33,7 @@ import numpy as np
 import tyro
 
 from cleanba.checkpoint import load_model
-from cleanba.plumbing import check_hub_login, fail
+from cleanba.plumbing import GameScores, check_hub_login, fail
 
 VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 frames of the 60 Hz game
 
@@ -168,26 +168,18 @@ def evaluate(
     num_envs = max(1, min(num_envs, episodes))
     # Training envs are seeded seed + 0 .. num_envs - 1; start after them so evaluation plays unseen envs.
     seed = train_args.seed + train_args.num_envs if seed is None else seed
-    render = {"render_mode": "rgb_array"} if video_dir is not None else {}
-    envs = envpool.make(
-        train_args.env_id,
-        env_type="gymnasium",
-        num_envs=num_envs,
-        batch_size=num_envs,
-        seed=seed,
-        **module.env_kwargs(train_args),
-        **render,
-    )
+    recording = video_dir is not None
+    kwargs = dict(module.env_kwargs(train_args), **({"render_mode": "rgb_array"} if recording else {}))
+    envs = envpool.make(train_args.env_id, "gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed, **kwargs)
     spec = envs.spec
     agent = module.make_network(train_args, spec.action_space.n)
     act = make_eval_policy(agent, greedy)
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
-    running, lengths_now, resetting = np.zeros(num_envs), np.zeros(num_envs, np.int64), np.zeros(num_envs, bool)
+    scores, resetting = GameScores(num_envs), np.zeros(num_envs, bool)
     returns, lengths, videos, frames = [], [], [], []
     try:
         obs, info = envs.reset()
-        recording = video_dir is not None
         if recording:
             frames.append(envs.render(env_ids=[0])[0])
         while np.any(played < quotas) and not interrupted():
@@ -197,20 +189,20 @@ def evaluate(
             if recording and played[0] < quotas[0]:
                 # After a game over, the next step is EnvPool's auto-reset: its frame starts the next episode.
                 frames.append(envs.render(env_ids=[0])[0])
-            running += info.get("reward", reward)  # raw score, not the clipped training reward
-            lengths_now += ~resetting  # EnvPool's reset steps (after a game over or a lost life) ignore the action
+            # Raw scores, not the clipped training reward; EnvPool's reset steps (after a game over or a lost life)
+            # ignore the action and do not count; a lost life is not a game over.
+            game_over = info.get("terminated", terminated).astype(bool) | truncated
+            ended_returns, ended_lengths = scores.step(info.get("reward", reward), ~resetting, game_over)
             resetting = terminated | truncated
-            game_over = info.get("terminated", terminated).astype(bool) | truncated  # a lost life is not a game over
             for i in np.flatnonzero(game_over):
                 if played[i] < quotas[i]:
-                    returns.append(float(running[i]))
-                    lengths.append(int(lengths_now[i]))
+                    returns.append(float(ended_returns[i]))
+                    lengths.append(int(ended_lengths[i]))
                     if i == 0 and recording:
                         videos.append(video_dir / f"{train_args.env_id}-episode-{played[0]}.mp4")
                         write_video(videos[-1], frames)
                         frames = []
                     played[i] += 1
-            running[game_over], lengths_now[game_over] = 0.0, 0
     finally:
         envs.close()
     return returns, lengths, videos

@@ -114,7 +114,7 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     """The script's learner update and policy step compiled for the topology's GPUs, and what each GPU needs."""
     import envpool
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from cleanba.plumbing import learner_memory_needs
@@ -142,26 +142,7 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh.size
     learner = learner_memory_needs(compiled.memory_analysis(), queued)
 
-    actor_seconds, actors = 0.0, {}
-    policy = module.make_policy(args, agent, action_key)
-    for i in args.actor_device_ids:
-        place = SingleDeviceSharding(local[i])
-        params = jax.tree.map(partial(shape_on, place), state.params)
-        obs = jax.ShapeDtypeStruct((args.local_num_envs, *space.shape), space.dtype, sharding=place)
-        env_ids = jax.ShapeDtypeStruct((args.local_num_envs,), np.int32, sharding=place)
-        step = jax.ShapeDtypeStruct((), np.int32, sharding=place)
-        start = time.time()
-        analysis = policy.lower(params, obs, env_ids, step).compile().memory_analysis()
-        actor_seconds += time.time() - start
-        # Each actor thread of the device holds its own params copy and runs its own steps.
-        actors[i] = {
-            name: value * args.num_actor_threads
-            for name, value in dict(
-                temporaries=analysis.temp_size_in_bytes,
-                arguments=analysis.argument_size_in_bytes,
-                outputs=analysis.output_size_in_bytes,
-            ).items()
-        }
+    actors, actor_seconds = compile_actors(module, args, agent, action_key, state.params, space, local)
 
     text = compiled.as_text()
     return dict(
@@ -175,6 +156,35 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
         local_devices=len(local),
         compute_capability=local[0].compute_capability,
     )
+
+
+def compile_actors(module, args, agent, action_key, params, space, local: list) -> tuple:
+    """({actor device id: what its actor threads need in memory}, compile seconds) of the script's policy step
+    compiled for each actor device of the flags (local: the first host's GPUs)."""
+    import numpy as np
+    from jax.sharding import SingleDeviceSharding
+
+    actor_seconds, actors = 0.0, {}
+    policy = module.make_policy(args, agent, action_key)
+    for i in args.actor_device_ids:
+        place = SingleDeviceSharding(local[i])
+        device_params = jax.tree.map(partial(shape_on, place), params)
+        obs = jax.ShapeDtypeStruct((args.local_num_envs, *space.shape), space.dtype, sharding=place)
+        env_ids = jax.ShapeDtypeStruct((args.local_num_envs,), np.int32, sharding=place)
+        step = jax.ShapeDtypeStruct((), np.int32, sharding=place)
+        start = time.time()
+        analysis = policy.lower(device_params, obs, env_ids, step).compile().memory_analysis()
+        actor_seconds += time.time() - start
+        # Each actor thread of the device holds its own params copy and runs its own steps.
+        actors[i] = {
+            name: value * args.num_actor_threads
+            for name, value in dict(
+                temporaries=analysis.temp_size_in_bytes,
+                arguments=analysis.argument_size_in_bytes,
+                outputs=analysis.output_size_in_bytes,
+            ).items()
+        }
+    return actors, actor_seconds
 
 
 def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_devices: int) -> float:

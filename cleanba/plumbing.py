@@ -712,15 +712,9 @@ def shut_down(run, save_checkpoint):
         jax.distributed.shutdown()
 
 
-def evaluate_and_exit(run, script):
-    """After shut_down: the saved model's evaluation (script: the training script's module), the logs closed, and the
-    exit status of how the run ended."""
-    try:
-        if run.model_path is not None and run.args.eval_episodes and not run.stop.signals:
-            from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
-
-            evaluate_after_training(script, run)
-    finally:
-        if run.logger is not None:
-            run.logger.close()
+def close_and_exit(run):
+    """The end of a script's run (run: its TrainingRun), after its model's evaluation: the logs closed, and the exit
+    status of how the run ended."""
+    if run.logger is not None:
+        run.logger.close()
     exit_status(run.stop, run.iterations_done)
