@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two modes. Run from the checkout, inside the project's environment so that `python` is the project's.
+# Four modes. Run from the checkout, inside the project's environment so that `python` is the project's.
 #
 # bash benchmark.sh throughput [BENCHMARK FLAGS --] [SCRIPT FLAGS]
 #   Throughput of PPO and IMPALA on Breakout-v5 on this machine (python -m cleanba.benchmark; what each
@@ -15,6 +15,16 @@
 #   NUM_ENVS / threads, NUM_ENVS default 128): ceiling, actor and training (IMPALA concurrent, its default; PPO
 #   its actor only). One JSON per run and the console log in OUTDIR. BENCH_FLAGS sets the benchmark's flags.
 #     bash benchmark.sh machine report                        # a GPU machine, default sizes
+#
+# bash benchmark.sh learning OUTDIR [SCRIPT FLAGS]
+#   Time to score on this machine: one run of SCRIPT (impala by default, or ppo) on ENV_ID (Breakout-v5) at its
+#   defaults for STEPS env steps (5,000,000; the learning rate anneals over them), seed 1, the model saved and
+#   evaluated. SIGTERMed after LIMIT seconds (540) if still running: it then checkpoints, flushes its logs and
+#   exits, so a time-boxed machine (a lent GPU) still returns its curve. OUTDIR gets machine.txt, train.log, the
+#   run directory (runs/learning: event files, checkpoint, model) and score_report's table (report/).
+#     bash benchmark.sh learning run-f32                             # IMPALA at defaults
+#     bash benchmark.sh learning run-bf16 --conv-dtype bfloat16      # the same run with bfloat16 convolutions
+#     SCRIPT=ppo STEPS=3000000 bash benchmark.sh learning run-ppo --concurrency
 #
 # bash benchmark.sh [LAUNCHER FLAGS]
 #   The Cleanba paper's Atari-57 experiments (arXiv 2310.00036, section 5): PPO and IMPALA, 3 seeds, on
@@ -64,6 +74,25 @@ if [[ "${1:-}" == machine ]]; then
     python -m cleanba.benchmark --script ppo "${bench[@]}" --phases actor --json "$out/ppo-t$threads.json" \
       -- "${sweep[@]}"
   done
+  exit 0
+fi
+
+if [[ "${1:-}" == learning ]]; then
+  out=${2:?bash benchmark.sh learning OUTDIR [SCRIPT FLAGS]}
+  shift 2
+  mkdir -p "$out"
+  out=$(cd "$out" && pwd) script=$PWD/cleanba/cleanba_${SCRIPT:-impala}.py
+  {
+    date -u
+    nproc
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  } | tee "$out/machine.txt"
+  status=0
+  (cd "$out" && timeout --signal=TERM --kill-after=60 "${LIMIT:-540}" python "$script" --env-id "${ENV_ID:-Breakout-v5}" \
+    --seed 1 --total-timesteps "${STEPS:-5000000}" --run-name learning --checkpoint-frequency 100 --save-model "$@") \
+    2>&1 | tee "$out/train.log" || status=$?
+  echo "training exit status $status" | tee -a "$out/train.log"
+  python -m cleanba.score_report "$out/runs" --out-dir "$out/report" 2>&1 | tee "$out/report.log"
   exit 0
 fi
 

@@ -113,6 +113,11 @@ def resume_checkpoint(path: Path, args, state):
     return iterations_done, restored, episode_window
 
 
+def checkpoint_path(run_dir: Path) -> Path:
+    """Where a training run saves its checkpoint and resumes from."""
+    return run_dir / "checkpoint.msgpack"
+
+
 def resume_requested(args, checkpoint_path: Path) -> bool:
     """Whether this run resumes from its checkpoint: --resume, or a requeued SLURM job (SLURM_RESTART_COUNT counts
     the requeues) whose run saved one."""

@@ -635,7 +635,7 @@ class TrainingRun:
 
     @property
     def checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoint.msgpack"
+        return checkpoint.checkpoint_path(self.run_dir)
 
 
 def start(args: Args) -> TrainingRun:
@@ -657,7 +657,7 @@ def start(args: Args) -> TrainingRun:
 
         check_network(sys.modules[__name__], args, unreplicate(state.params))
     # With --resume or in a requeued SLURM job: the iteration and train state of the checkpoint (else 0 and state).
-    iterations_done, state, episode_window = checkpoint.resume(args, run_dir / "checkpoint.msgpack", state)
+    iterations_done, state, episode_window = checkpoint.resume(args, checkpoint.checkpoint_path(run_dir), state)
 
     fields = rollout_fields(args, spec.observation_space.shape, spec.observation_space.dtype)
     rollouts = (learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args)),) * plumbing.actor_threads(args)
@@ -714,7 +714,7 @@ def train(run: TrainingRun):
         start_time = time.time()
         run.state, metrics = run.update(run.state, tuple(rollout for rollout, _ in received))
         jax.block_until_ready(run.state)
-        learner_update_time = time.time() - start_time
+        update_time = time.time() - start_time
         run.iterations_done = iteration
         last_progress[0] = time.time()
         send_params_for_rollout(run, iteration + 1 + lag)
@@ -723,9 +723,7 @@ def train(run: TrainingRun):
             np.concatenate([np.stack([i.episode_returns, i.episode_lengths]) for i in rollout_infos], 2)
         )
         if run.logger is not None:
-            run.logger.log(
-                iteration, rollout_infos, episodes, rollout_queue_wait, learner_update_time, run.state, metrics
-            )
+            run.logger.log(iteration, rollout_infos, episodes, rollout_queue_wait, update_time, run.state, metrics)
             # And the last iteration's: a signal during the model's save or evaluation, or a requeue, then finds
             # nothing left to train.
             last = iteration == args.num_iterations

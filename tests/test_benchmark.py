@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY, check_ok, script_env
@@ -223,3 +224,39 @@ def test_bad_input_refused(case, tmp_path):
     assert "Traceback" not in process.stderr and "error:" in process.stderr
     assert fragment in process.stderr, process.stderr
     assert not list(tmp_path.glob("*.json"))
+
+
+# benchmark.sh's learning mode at tiny sizes: the time-to-score run made to run once on a lent GPU.
+LEARNING_TINY = ["--channels", "4", "--hidden-dim", "16", "--num-steps", "8", "--num-minibatches", "2"]
+LEARNING_TINY += ["--local-num-envs", "4", "--num-actor-threads", "1", "--log-frequency", "1", "--eval-episodes", "1"]
+
+
+@pytest.mark.parametrize("limit", [600, 25], ids=["to the end", "stopped at the limit"])
+def test_learning_mode_brings_back_the_run_and_its_score(limit, tmp_path):
+    """`bash benchmark.sh learning OUTDIR`: the run's event files, model or checkpoint, log and score table land in
+    OUTDIR. A run past LIMIT seconds is SIGTERMed, checkpoints and still leaves its curve and score: what a time-boxed
+    GPU call brings back."""
+    steps = 4 * 8 * 120 if limit == 600 else 4 * 8 * 10**6  # 120 iterations, or more than fit in the limit
+    env = script_env(1, {"LIMIT": str(limit), "STEPS": str(steps), "PYTHONPATH": str(ROOT)})
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # `python` is this environment's
+    out = tmp_path / "out"
+    process = subprocess.run(
+        ["bash", str(ROOT / "benchmark.sh"), "learning", str(out), *LEARNING_TINY],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=limit + 300,
+    )
+    check_ok(process)
+    log = (out / "train.log").read_text()
+    run = out / "runs" / "learning"
+    assert list(run.glob("events.out.tfevents*")), log
+    if limit == 600:
+        assert "training exit status 0" in log and "final params sha256" in log, log
+        assert (run / "cleanba_impala.cleanba_model").exists() and "evaluation: 1 episodes" in log, log
+    else:
+        assert "training exit status 124" in log and "stopped by signal 15" in log, log
+        assert (run / "checkpoint.msgpack").exists() and "checkpoint of iteration" in log, log
+    scores = (out / "report" / "scores.csv").read_text().splitlines()
+    assert scores[0].startswith("variant,env_id,seed,final_step,score") and len(scores) == 2, scores
+    assert scores[1].startswith("cleanba_impala,Breakout-v5,1,"), scores

@@ -81,7 +81,7 @@ def test_the_names_tools_use_exist_in_both_scripts():
     used = set()
     for tool in TOOLS:
         used |= set(re.findall(r"\bmodule\.([A-Za-z]\w*)", (ROOT / "cleanba" / tool).read_text()))
-    assert {"Args", "make_network", "rollout_actor"} <= used, "the tools' uses of a script were not found"
+    assert {"Args", "make_network", "make_actor_threads"} <= used, "the tools' uses of a script were not found"
     for script in ["ppo", "impala"]:
         module = importlib.import_module(f"cleanba.cleanba_{script}")
         missing = sorted(name for name in used if not hasattr(module, name))
