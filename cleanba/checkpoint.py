@@ -15,7 +15,7 @@ import flax.serialization
 import jax
 import numpy as np
 
-from cleanba.plumbing import digest, fail, flags_that_may_change_on_resume, host
+from cleanba.plumbing import digest, fail, flags_that_may_change_on_resume, host_copy
 
 
 def write_atomically(path: Path, payload: dict):
@@ -90,7 +90,7 @@ def resume_checkpoint(path: Path, args, state):
     the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
     try:
         iterations_done, restored, episode_window = load_checkpoint(
-            path, asdict(args), host(state), flags_that_may_change_on_resume(args)
+            path, asdict(args), host_copy(state), flags_that_may_change_on_resume(args)
         )
     except ValueError as error:
         fail(
@@ -142,13 +142,13 @@ def resume(args, path: Path, state):
 def save_run_checkpoint(run):
     """A checkpoint of a script's TrainingRun: its args, train state, last iteration and its logger's last games."""
     save_checkpoint(
-        run.checkpoint_path, asdict(run.args), host(run.state), run.iterations_done, run.logger.episode_window()
+        run.checkpoint_path, asdict(run.args), host_copy(run.state), run.iterations_done, run.logger.episode_window()
     )
 
 
 def save_trained_model(run, script: str) -> Path:
     """The end of a --save-model run (a training script's TrainingRun): runs/<run_name>/<exp_name>.cleanba_model."""
     path = run.run_dir / f"{run.args.exp_name}.cleanba_model"
-    save_model(path, script, asdict(run.args), host(run.state.params))
+    save_model(path, script, asdict(run.args), host_copy(run.state.params))
     print(f"model saved to {path}", flush=True)
     return path

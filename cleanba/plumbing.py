@@ -253,12 +253,12 @@ def learner_memory_needs(analysis, queued_rollout_bytes: int) -> dict:
     )
 
 
-def size(n: float) -> str:
+def format_size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def describe_memory(needs: dict) -> str:
-    return ", ".join(f"{name.replace('_', ' ')} {size(value)}" for name, value in needs.items())
+    return ", ".join(f"{name.replace('_', ' ')} {format_size(value)}" for name, value in needs.items())
 
 
 def memory_shortfall(needs: dict, learner_devices: list, host_bytes: int) -> tuple:
@@ -282,7 +282,7 @@ def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulati
     needed, available, source, fits = memory_shortfall(needs, learner_devices, host_bytes)
     print(
         f"learner memory per device (XLA's analysis of the compiled update): {describe_memory(needs)}; "
-        f"needs {size(needed)} of {size(available)} ({source})",
+        f"needs {format_size(needed)} of {format_size(available)} ({source})",
         flush=True,
     )
     if fits:
@@ -300,11 +300,11 @@ def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulati
         except (ValueError, TypeError):  # micro-batches that do not split this rollout evenly
             other = None
         if other is not None and memory_shortfall(other, learner_devices, host_bytes)[3]:
-            fixes.append(f"--gradient-accumulation-steps {steps} (temporaries {size(other['temporaries'])})")
+            fixes.append(f"--gradient-accumulation-steps {steps} (temporaries {format_size(other['temporaries'])})")
         steps *= 2
     fixes.append("fewer envs per learner device (a smaller --local-num-envs or more --learner-device-ids)")
     fail(
-        f"the learner needs {size(needed)} but {size(available)} is left ({source}); per learner device: "
+        f"the learner needs {format_size(needed)} but {format_size(available)} is left ({source}); per learner device: "
         f"{describe_memory(needs)}. Lower it with {' or '.join(fixes)}; or skip this check with --no-memory-check"
     )
 
@@ -324,7 +324,7 @@ def unreplicate(tree):
     return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
 
-def host(tree):
+def host_copy(tree):
     """The learner's replicated arrays as numpy arrays, for checkpoints and saved models."""
     return jax.device_get(unreplicate(tree))
 
