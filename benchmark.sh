@@ -3,7 +3,7 @@
 #
 # bash benchmark.sh throughput [BENCHMARK FLAGS --] [SCRIPT FLAGS]
 #   Throughput of PPO and IMPALA on Breakout-v5 on this machine (python -m cleanba.benchmark; what each
-#   figure means is in cleanba/benchmark.py): the EnvPool ceiling, actor alone, learner alone, training with
+#   figure means is in cleanba/benchmark/__init__.py): the EnvPool ceiling, actor alone, learner alone, training with
 #   concurrency off and on. SCRIPT FLAGS go to both training scripts (e.g. the layout: --actor-device-ids 0
 #   --learner-device-ids 1 2 3); flags before a `--` go to the benchmark (e.g. --repeats 5). Writes
 #   benchmark-cleanba_ppo-Breakout-v5.json and benchmark-cleanba_impala-Breakout-v5.json here.

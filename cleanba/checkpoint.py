@@ -15,7 +15,8 @@ import flax.serialization
 import jax
 import numpy as np
 
-from cleanba.plumbing import digest, fail, flags_that_may_change_on_resume, host_copy
+from cleanba.flags import fail, flags_that_may_change_on_resume
+from cleanba.replicas import digest, host_copy
 
 
 def write_atomically(path: Path, payload: dict):

@@ -1,10 +1,11 @@
 """Cleanba IMPALA: actor threads step EnvPool on an actor device, a data-parallel learner trains on others.
 
-Read top to bottom: the flags most runs set; above the ENGINE line, the algorithm a fork edits (flags, checks,
-network, V-trace, IMPALA loss, minibatches, optimizer); below it, the engine, byte for byte as in cleanba_ppo.py
-(tests/test_engine.py): envs, actor threads, learner, the run. Helpers: cleanba/reductions.py (the sums behind
---exact), plumbing.py, checkpoint.py. Huang et al., "Cleanba: A Reproducible and Efficient Distributed Reinforcement
-Learning Platform" (arXiv 2310.00036). Usage: README.md and docs/.
+Read top to bottom: the flags most runs set; above the ENGINE line, the algorithm a fork edits (flags, checks, network,
+V-trace, IMPALA loss, minibatches, optimizer); below it, the engine, byte for byte as in cleanba_ppo.py
+(tests/test_engine.py): envs, actor threads, learner, the run. Helpers, one concern each (docs/design.md):
+cleanba/reductions.py (the sums behind --exact), checkpoint.py, flags.py, memory.py, logs.py, lifetime.py, devices.py,
+replicas.py. Huang et al., "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform" (arXiv
+2310.00036). Usage: README.md and docs/.
 
     python cleanba/cleanba_impala.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
@@ -38,9 +39,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba import checkpoint, plumbing
-from cleanba.plumbing import Stop, StopTraining, Stopwatch, digest, fail, flag, queue_get, queue_put, unreplicate
+from cleanba import checkpoint, devices, flags, lifetime, logs, memory
+from cleanba.flags import fail, flag
+from cleanba.lifetime import Stop, StopTraining, queue_get, queue_put
+from cleanba.logs import Stopwatch
 from cleanba.reductions import Groups, chunked_apply, learner_env_blocks, learner_shapes, make_groups, put_on_learners
+from cleanba.replicas import digest, unreplicate
 
 
 @dataclass
@@ -105,7 +109,7 @@ def check_algorithm(args: "Args"):
             f"{args.gradient_accumulation_steps} (with --exact a group's sequences are cut into the micro-batches); "
             f"use a multiple of {args.gradient_accumulation_steps}"
         )
-    envs = args.local_num_envs * plumbing.actor_threads(args)
+    envs = args.local_num_envs * flags.actor_threads(args)
     if envs < args.num_minibatches:
         fail(
             f"--num-minibatches={args.num_minibatches} is more than the {envs} envs of a process (--local-num-envs x "
@@ -301,7 +305,7 @@ def make_optimizer(args: "Args"):
 
 # ======== ENGINE: everything below this line is the same, byte for byte, in cleanba_ppo.py and cleanba_impala.py
 # In the order a run uses it: flags, envs, actor, learner, run (start, train, stop). It calls the algorithm above
-# only through the names tests/test_engine.py lists; the helpers of cleanba/plumbing.py change nothing it learns.
+# only through the names tests/test_engine.py lists; the helpers it imports from cleanba/ change nothing it learns.
 
 
 @dataclass
@@ -373,13 +377,13 @@ class Args(Algorithm, CommonFlags):
 
 
 def check_args(args: Args):
-    plumbing.check_flags(args)  # ranges, device ids, flags that act together
+    flags.check_flags(args)  # ranges, device ids, flags that act together
     check_algorithm(args)
 
 
 def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
     args.world_size, args.process_index = world_size, process_index
-    process_envs = args.local_num_envs * plumbing.actor_threads(args)
+    process_envs = args.local_num_envs * flags.actor_threads(args)
     args.num_envs = process_envs * world_size
     args.local_batch_size = process_envs * args.num_steps
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
@@ -479,7 +483,7 @@ def make_policy(args: Args, agent, action_key):
     return policy
 
 
-@plumbing.stops_run_on_error  # an error in an actor thread stops the run; the main thread reports it
+@lifetime.stops_run_on_error  # an error in an actor thread stops the run; the main thread reports it
 def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_queue, rollout_queue, stop):
     """Thread body: for each iteration, take the params the learner queued for it, play num_steps steps of its envs,
     queue the rollout. How far behind the learner it runs is decided by the learner alone (train). actor_id: the
@@ -490,7 +494,7 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
     try:
         T, n = args.num_steps, args.local_num_envs
         env_ids_on_device = jax.device_put(env_ids, device)
-        scores = plumbing.GameScores(n)
+        scores = logs.GameScores(n)
         envs.async_reset()
         next_obs, _, _, _, info = envs.recv()
         # EnvPool resets an env on the step after its episode ends (a lost life too, with episodic_life): that step
@@ -543,11 +547,12 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
 def make_actor_threads(args: Args, start_iteration: int, mesh: Mesh, policy, stop: Stop) -> tuple:
     """(param queues, rollout queues, threads) of this process's actor threads, not started. Each queue holds one
     item: the params of an actor's next rollout, or its last rollout."""
-    devices = [jax.local_devices()[i] for i in args.actor_device_ids for _ in range(args.num_actor_threads)]
-    param_queues, rollout_queues = [queue.Queue(maxsize=1) for _ in devices], [queue.Queue(maxsize=1) for _ in devices]
+    actor_devices = [jax.local_devices()[i] for i in args.actor_device_ids for _ in range(args.num_actor_threads)]
+    param_queues = [queue.Queue(maxsize=1) for _ in actor_devices]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in actor_devices]
     threads = []
-    for local_id, (device, param_queue, rollout_queue) in enumerate(zip(devices, param_queues, rollout_queues)):
-        actor_id = args.process_index * len(devices) + local_id  # over all processes: it fixes the actor's envs
+    for local_id, (device, param_queue, rollout_queue) in enumerate(zip(actor_devices, param_queues, rollout_queues)):
+        actor_id = args.process_index * len(actor_devices) + local_id  # over all processes: it fixes the actor's envs
         actor_args = (args, start_iteration, actor_id, device, mesh, policy, param_queue, rollout_queue, stop)
         threads.append(threading.Thread(target=rollout_actor, args=actor_args, name=f"actor-{actor_id}", daemon=True))
     return param_queues, rollout_queues, threads
@@ -617,7 +622,7 @@ def initial_state(agent, args: Args, observation_space, init_key) -> TrainState:
 
 @dataclass
 class TrainingRun:
-    """What start() sets up for train() and main's end (plumbing.shut_down, the evaluation, close_and_exit)."""
+    """What start() sets up for train() and main's end (lifetime.shut_down, the evaluation, close_and_exit)."""
 
     args: Args
     stop: Stop  # set to stop every thread; it keeps why (a signal, an error)
@@ -627,7 +632,7 @@ class TrainingRun:
     iterations_done: int  # the last iteration whose update is in `state` (0: none)
     start_iteration: int  # the first iteration of this run (after a resumed checkpoint's)
     update: jax.stages.Compiled  # the learner update: (state, one rollout per actor thread) -> (state, metrics)
-    logger: plumbing.IterationLogger | None  # process 0's logs (None on the others)
+    logger: logs.IterationLogger | None  # process 0's logs (None on the others)
     param_queues: list  # per actor thread, size 1: the params of its next rollout
     rollout_queues: list  # per actor thread, size 1: its last rollout
     threads: list  # the actor threads, started by train
@@ -643,10 +648,10 @@ def start(args: Args) -> TrainingRun:
     if args.exact:  # deterministic GPU kernels: what --exact needs besides its order of sums (read as XLA starts)
         add_xla_flags("--xla_gpu_deterministic_ops=true")
     if args.distributed:  # before anything touches a device
-        plumbing.initialize_distributed(args)
-    plumbing.check_devices(args)
+        devices.initialize_distributed(args)
+    devices.check_devices(args)
     fill_runtime_sizes(args, jax.process_count(), jax.process_index())
-    stop, run_dir = Stop(), Path("runs") / (args.run_name or plumbing.default_run_name(args))
+    stop, run_dir = Stop(), Path("runs") / (args.run_name or flags.default_run_name(args))
     learners = [jax.local_devices(process_index=p)[i] for p in range(args.world_size) for i in args.learner_device_ids]
     mesh = Mesh(np.array(learners), ("learner",))
 
@@ -660,22 +665,22 @@ def start(args: Args) -> TrainingRun:
     iterations_done, state, episode_window = checkpoint.resume(args, checkpoint.checkpoint_path(run_dir), state)
 
     fields = rollout_fields(args, spec.observation_space.shape, spec.observation_space.dtype)
-    rollouts = (learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args)),) * plumbing.actor_threads(args)
+    rollouts = (learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args)),) * flags.actor_threads(args)
     compile_update = partial(compile_learner_update, agent, shuffle_key=shuffle_key, mesh=mesh, state=state)
     compile_start = time.time()
     update = compile_update(args, rollouts=rollouts)
     compile_time = time.time() - compile_start
     if args.memory_check:  # refuse a learner that cannot fit in memory, before training
-        plumbing.check_learner_memory(args, update, partial(compile_update, rollouts=rollouts), rollouts, fields)
+        memory.check_learner_memory(args, update, partial(compile_update, rollouts=rollouts), rollouts, fields)
 
     logger = None
     if args.process_index == 0:  # only process 0 writes logs, checkpoints and the model
         purge_step = iterations_done * args.batch_size + 1 if iterations_done else None  # resumed: drop later logs
-        logger = plumbing.IterationLogger(args, run_dir, purge_step, episode_window, compile_time)
-        plumbing.print_start(args, run_dir, learner_blocks(args))
+        logger = logs.IterationLogger(args, run_dir, purge_step, episode_window, compile_time)
+        logs.print_start(args, run_dir, learner_blocks(args))
 
     actors = make_actor_threads(args, iterations_done + 1, mesh, make_policy(args, agent, action_key), stop)
-    plumbing.handle_signals(stop, args.distributed)
+    lifetime.handle_signals(stop, args.distributed)
     return TrainingRun(args, stop, run_dir, mesh, state, iterations_done, iterations_done + 1, update, logger, *actors)
 
 
@@ -692,14 +697,14 @@ def train(run: TrainingRun):
     """The learner's loop, from run.start_iteration to the end or a stop; the model saved at the end."""
     args, stop = run.args, run.stop
     # Before the first sends: each waits for an actor to take the previous one, so a stuck actor would stop them.
-    last_progress = plumbing.start_watchdog(args.stall_timeout, stop)
+    last_progress = lifetime.start_watchdog(args.stall_timeout, stop)
     for thread in run.threads:
         thread.start()
     # The one-step lag (paper, section 4): rollout i is played with the params of update i - 1 - lag.
     lag = int(args.concurrency)
     for rollout in range(run.start_iteration, run.start_iteration + 1 + lag):  # played with the starting params
         send_params_for_rollout(run, rollout)
-    process_gather = plumbing.make_process_gather(run.mesh)
+    process_gather = devices.make_process_gather(run.mesh)
     taken_at = [None] * len(run.rollout_queues)  # when the learner took each actor's last rollout
     for iteration in range(run.start_iteration, args.num_iterations + 1):
         start_time = time.time()
@@ -749,17 +754,17 @@ def main(args: Args):
     except Exception as error:  # the learner failed: the run ends as on an actor's error
         run.stop.errors.append(error)
     finally:  # threads joined, a checkpoint if a signal stopped the run, all processes past their barrier
-        plumbing.shut_down(run, checkpoint.save_run_checkpoint)
+        lifetime.shut_down(run, checkpoint.save_run_checkpoint)
     try:
         if run.model_path is not None and args.eval_episodes and not run.stop.signals:
             from cleanba.evaluate import evaluate_after_training  # optional, so imported only when used
 
             evaluate_after_training(sys.modules[__name__], run)
     finally:
-        plumbing.close_and_exit(run)
+        lifetime.close_and_exit(run)
 
 
 if __name__ == "__main__":
-    args = plumbing.parse_flags(Args, __doc__)
+    args = flags.parse_flags(Args, __doc__)
     check_args(args)
     main(args)

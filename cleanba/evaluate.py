@@ -33,7 +33,8 @@ import numpy as np
 import tyro
 
 from cleanba.checkpoint import load_model
-from cleanba.plumbing import GameScores, check_hub_login, fail
+from cleanba.flags import check_hub_login, fail
+from cleanba.logs import GameScores
 
 VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 frames of the 60 Hz game
 

@@ -43,8 +43,8 @@ import jax  # before cleanba's modules, which hide the CUDA plugin from JAX wher
 import tyro
 
 from cleanba import startup
-from cleanba.benchmark import load_script, resolve_script, split_argv
-from cleanba.plumbing import actor_threads, fail
+from cleanba.benchmark.common import load_script, resolve_script, split_argv
+from cleanba.flags import actor_threads, fail
 from cleanba.reductions import learner_shapes
 
 SPECS = Path(__file__).with_name("gpu_targets")
@@ -117,7 +117,7 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cleanba.plumbing import learner_memory_needs
+    from cleanba.memory import learner_memory_needs
 
     hosts = hosts_of(topology)
     local = hosts[0]

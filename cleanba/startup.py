@@ -9,7 +9,7 @@
   distribution libraries that the scripts do not use (import_rlax).
 - NVIDIA GPUs as the machine shows them (nvidia_gpus): where it shows none, JAX's CUDA plugin is hidden from JAX
   (hide_cuda_plugin), as it could only fail and print its failure; where it shows some, the scripts refuse to train
-  on the CPU (plumbing.check_gpu_backend).
+  on the CPU (devices.check_gpu_backend).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ LIBRARY_PACKAGES = {
 # `import envpool` registers every env family EnvPool ships (its envpool/entry.py), and one of them, Jumanji, imports
 # matplotlib's pyplot and its renderers: a script's imports took 5.9-6.2 s of CPU with them, 3.1-4.0 s without (a venv
 # with bytecode, the 2-core CI machine). These are the families the scripts train on; import_envpool registers them
-# alone, and any other env id registers the rest (plumbing's check of --env-id imports envpool.entry).
+# alone, and any other env id registers the rest (flags.check_flags imports envpool.entry for it).
 ENVPOOL_FAMILIES = ("envpool.atari.registration", "envpool.classic_control.registration")
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from cleanba.benchmark import load_script
+from cleanba.benchmark.common import load_script
 
 script, limit, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 module = load_script(Path(script))

@@ -155,12 +155,13 @@ def test_envpool_registers_the_scripts_families_and_the_rest_on_demand():
     program = """
 import sys
 import tyro
-from cleanba import cleanba_ppo, plumbing
+from cleanba import cleanba_ppo
+from cleanba.flags import check_flags
 import envpool
 print("registered", len(envpool.list_all_envs()), "matplotlib" in sys.modules, "CartPole-v1" in envpool.list_all_envs())
 for env_id in ["Breakout-v5", "HalfCheetah-v5", "Breakout-v99"]:
     try:
-        plumbing.check_flags(tyro.cli(cleanba_ppo.Args, args=["--env-id", env_id]))
+        check_flags(tyro.cli(cleanba_ppo.Args, args=["--env-id", env_id]))
         print(env_id, "accepted", len(envpool.list_all_envs()))
     except SystemExit:
         print(env_id, "refused")
@@ -273,7 +274,7 @@ def test_every_numeric_flag_has_a_checked_range(script, capsys):
 
     import tyro
 
-    from cleanba.plumbing import flag_ranges, in_range
+    from cleanba.flags import flag_ranges, in_range
 
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     flags, ranges = numeric_flags(module), flag_ranges(module.Args)
@@ -296,7 +297,7 @@ def test_help_names_the_algorithm_an_example_and_every_range(script):
     flag shows two defaults."""
     import importlib
 
-    from cleanba.plumbing import flag_ranges
+    from cleanba.flags import flag_ranges
 
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     env = dict(script_env(), COLUMNS="1000")  # one line per flag

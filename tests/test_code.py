@@ -45,22 +45,34 @@ def test_every_test_reads_ci_one_way():
     assert not odd, f'read CI as os.environ.get("CI") == "true": {odd}'
 
 
-def cleanba_imports(path) -> set:
-    """The cleanba modules a file imports, anywhere in it."""
+def module_name(path) -> str:
+    """A file's module under cleanba/, dotted ("flags", "benchmark.common"); a package's __init__.py is the package."""
+    parts = path.relative_to(ROOT / "cleanba").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cleanba_imports(path, modules: set) -> set:
+    """The cleanba modules a file imports, anywhere in it, with the packages that importing them runs first
+    (cleanba.benchmark.common runs cleanba/benchmark/__init__.py). modules: the names of all of them."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "cleanba":
-                found |= {alias.name for alias in node.names}
-            elif node.module.startswith("cleanba."):
-                found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "cleanba":
+            base = node.module.removeprefix("cleanba").lstrip(".")
+            for alias in node.names:  # from cleanba.benchmark import phases: a module; from cleanba.flags import fail
+                name = f"{base}.{alias.name}".lstrip(".")
+                found.add(name if name in modules else base)
         elif isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("cleanba.")}
-    return found
+            found |= {alias.name.removeprefix("cleanba.") for alias in node.names if alias.name.startswith("cleanba.")}
+    found.discard("")
+    return found | {name.rsplit(".", i)[0] for name in found for i in range(1, name.count(".") + 1)}
 
 
 def test_no_import_cycle_between_cleanba_modules():
-    graph = {path.stem: cleanba_imports(path) for path in (ROOT / "cleanba").glob("*.py")}
+    paths = sorted((ROOT / "cleanba").rglob("*.py"))  # the helpers, scripts and commands, the benchmark package's too
+    modules = {module_name(path) for path in paths}
+    graph = {module_name(path): cleanba_imports(path, modules) for path in paths}
+    assert {"flags", "benchmark", "benchmark.common", "benchmark.__main__"} <= set(graph), sorted(graph)
+    assert {"benchmark", "benchmark.common", "benchmark.phases"} <= graph["benchmark.__main__"], "imports not read"
 
     def cycle_from(module, path):
         for imported in sorted(graph.get(module, ())):

@@ -55,6 +55,12 @@ def script_flags(name: str) -> set:
     return names | {f"--no-{n[2:]}" for n in names} | {"--help"}
 
 
+def module_source(module: str):
+    """The file that holds a `python -m cleanba.X` module's docstring: cleanba/X.py, or a package's __init__.py."""
+    path = ROOT / "cleanba" / module.split(".", 1)[1].replace(".", "/")
+    return path / "__init__.py" if (path / "__main__.py").is_file() else path.with_suffix(".py")
+
+
 @functools.cache
 def module_help(module: str) -> tuple:
     """(exit status, output) of `python -m module --help`."""
@@ -74,7 +80,7 @@ def test_commands_name_only_real_flags(page):
     shown = commands(page.read_text())
     for target, flags in shown:
         if target.startswith("cleanba."):
-            assert (ROOT / "cleanba" / f"{target.split('.', 1)[1]}.py").is_file(), f"{page.name}: no module {target}"
+            assert module_source(target).is_file(), f"{page.name}: no module {target}"
             status, output = module_help(target)
             assert status == 0, f"{page.name}: python -m {target} --help failed:\n{output}"
             known = set(re.findall(r"--[a-z][a-z0-9-]*", output))
@@ -135,7 +141,7 @@ def test_each_tools_help_gives_its_usage_and_an_example(tool):
     )
     assert process.returncode == 0, process.stderr
     assert process.stdout.startswith(f"usage: python -m cleanba.{tool} "), process.stdout[:200]
-    source = (ROOT / "cleanba" / f"{tool}.py").read_text()
+    source = module_source(f"cleanba.{tool}").read_text()
     docstring = source.split('"""')[1].replace("\\\\", "\\")  # a backslash as the source escapes it
     examples = [line.strip() for line in docstring.splitlines() if line.startswith(f"    python -m cleanba.{tool} ")]
     assert examples and all(example in process.stdout for example in examples), examples

@@ -14,10 +14,10 @@ MARKER = "# ======== ENGINE:"
 TOOLS = [
     "evaluate.py",
     "gpu_compile.py",
-    "benchmark.py",
-    "benchmark_common.py",
-    "benchmark_phases.py",
-    "benchmark_layers.py",
+    "benchmark/__main__.py",
+    "benchmark/common.py",
+    "benchmark/phases.py",
+    "benchmark/layers.py",
 ]
 # The algorithm as the engine calls it: what a fork must keep (docs/forking.md).
 ALGORITHM_NAMES = (

@@ -12,8 +12,8 @@ import pytest
 import tyro
 from conftest import TINY
 
-from cleanba import plumbing
-from cleanba.plumbing import digest, unreplicate
+from cleanba.lifetime import shut_down
+from cleanba.replicas import digest, unreplicate
 
 ITERATIONS, THREADS, ENVS = 4, 2, 4
 
@@ -56,7 +56,7 @@ def test_every_actor_thread_plays_the_params_of_its_lag(script, concurrency, tmp
         try:
             module.train(run)
         finally:
-            plumbing.shut_down(run, module.checkpoint.save_run_checkpoint)
+            shut_down(run, module.checkpoint.save_run_checkpoint)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)

@@ -17,7 +17,7 @@ import pytest
 import tyro
 from conftest import LLVM_UNOPTIMIZED, check_ok, script_command, script_env
 
-from cleanba import benchmark
+from cleanba.benchmark.phases import learner_memory
 
 GIB = 2**30
 # LLVM_UNOPTIMIZED as a compile option of this process (its XLA_FLAGS were read when JAX started)
@@ -29,7 +29,7 @@ def default_memory(script: str, *flags, compiler_options: dict = UNOPTIMIZED, mi
     args = tyro.cli(module.Args, args=["--actor-device-ids", "0", "--learner-device-ids", "0", *flags])
     module.check_args(args)
     module.fill_runtime_sizes(args, 1, 0)
-    return benchmark.learner_memory(module, args, compiler_options, minibatch_step)
+    return learner_memory(module, args, compiler_options, minibatch_step)
 
 
 SMALL_ATARI = ["--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps", "32", "--total-timesteps", "256"]

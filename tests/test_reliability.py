@@ -263,7 +263,7 @@ def test_resume_continues_the_run(script, tmp_path):
 
 def test_logger_starts_from_the_saved_window(tmp_path):
     from cleanba.cleanba_ppo import Args
-    from cleanba.plumbing import IterationLogger
+    from cleanba.logs import IterationLogger
 
     args = Args()
     saved = {"returns": np.arange(20.0), "lengths": np.arange(20.0) * 10}
@@ -322,12 +322,13 @@ def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_pa
     let through. tests/test_resume_continues_the_run takes a real run's checkpoint through the command line."""
     from dataclasses import asdict, fields, replace
 
-    from cleanba import checkpoint, plumbing
+    from cleanba import checkpoint
+    from cleanba.flags import flags_that_may_change_on_resume
 
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     hints = typing.get_type_hints(module.Args, include_extras=True)
     flags = {f.name for f in fields(module.Args) if "Suppress" not in repr(hints[f.name])}
-    assert plumbing.flags_that_may_change_on_resume(module.Args) == MAY_CHANGE_ON_RESUME
+    assert flags_that_may_change_on_resume(module.Args) == MAY_CHANGE_ON_RESUME
     assert flags - MAY_CHANGE_ON_RESUME == set(LEARNED["common"] + LEARNED[script])
     args = module.Args()
     module.fill_runtime_sizes(args, 1, 0)

@@ -146,7 +146,7 @@ def test_save_model_round_trip(script, tmp_path):
     from flax.traverse_util import flatten_dict
 
     from cleanba.checkpoint import load_model
-    from cleanba.plumbing import digest
+    from cleanba.replicas import digest
 
     Agent = importlib.import_module(f"cleanba.cleanba_{script}").Agent
 

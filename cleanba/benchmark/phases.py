@@ -1,5 +1,5 @@
 """The benchmark's phases that run in a child process (python -m cleanba.benchmark runs each in one): each returns a
-dict of figures. The layers phase is in benchmark_layers.py."""
+dict of figures. The layers phase is in layers.py."""
 
 import json
 import runpy
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanba.benchmark_common import BenchmarkArgs, median, total_iterations, window_boundaries, window_sps
+from cleanba.benchmark.common import BenchmarkArgs, median, total_iterations, window_boundaries, window_sps
 
 
 def layout(args) -> str:
@@ -71,7 +71,7 @@ def join_all(threads: list):
 def ceiling_phase(module, args, bench: BenchmarkArgs) -> dict:
     starts = []  # barrier j releases when every thread has finished window j - 1
     barrier = threading.Barrier(len(actor_devices_and_ids(args)), action=lambda: starts.append(time.time()))
-    from cleanba.plumbing import stops_run_on_error
+    from cleanba.lifetime import stops_run_on_error
 
     stop = module.Stop()
     threads = [
@@ -101,7 +101,7 @@ def build_model(module, args, shapes_only: bool = False):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cleanba.plumbing import check_devices
+    from cleanba.devices import check_devices
 
     check_devices(args)
     local_devices = jax.local_devices()
@@ -139,7 +139,7 @@ def feed_params(module, param_queue, params, stop):
 def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
     import jax
 
-    from cleanba.plumbing import stops_run_on_error
+    from cleanba.lifetime import stops_run_on_error
 
     model = build_model(module, args)
     params = module.unreplicate(model["state"].params)  # where main() hands params over

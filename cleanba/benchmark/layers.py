@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanba.benchmark_common import BenchmarkArgs, median
-from cleanba.benchmark_phases import build_model, compile_learner, learner_rollouts
+from cleanba.benchmark.common import BenchmarkArgs, median
+from cleanba.benchmark.phases import build_model, compile_learner, learner_rollouts
 
 
 def timed(function, *args, repeats: int) -> float:

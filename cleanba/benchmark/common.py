@@ -13,7 +13,8 @@ import tyro
 
 PHASES = ("ceiling", "actor", "learner", "layers", "sync", "concurrent")
 THROUGHPUT_PHASES = ["ceiling", "actor", "learner", "sync", "concurrent"]  # the default: all but the layer profile
-SCRIPTS = {"ppo": Path(__file__).with_name("cleanba_ppo.py"), "impala": Path(__file__).with_name("cleanba_impala.py")}
+CLEANBA = Path(__file__).parents[1]  # cleanba/, which holds the training scripts
+SCRIPTS = {"ppo": CLEANBA / "cleanba_ppo.py", "impala": CLEANBA / "cleanba_impala.py"}
 # What the benchmark calls in a training script; a fork must keep these names and signatures.
 SCRIPT_FUNCTIONS = (
     "Args",
@@ -68,6 +69,14 @@ def fail(message: str):
     """Refuse bad input before any phase runs: exit status 2, no traceback."""
     print(f"benchmark: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def split_argv(argv: list) -> tuple:
+    """The benchmark's own flags, and the training script's (everything after the first `--`)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return argv, []
 
 
 def resolve_script(name: str) -> Path:

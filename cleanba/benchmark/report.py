@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanba.benchmark_common import BenchmarkArgs, median, window_boundaries, window_sps
-from cleanba.benchmark_layers import layers_table
+from cleanba.benchmark.common import BenchmarkArgs, median, window_boundaries, window_sps
+from cleanba.benchmark.layers import layers_table
 
 
 def read_stats(run_dir: Path, batch_size: int) -> dict:
