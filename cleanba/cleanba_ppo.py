@@ -3,9 +3,9 @@
 Read top to bottom: the flags most runs set; above the ENGINE line, the algorithm a fork edits (flags, checks, network,
 GAE, PPO loss, minibatches, optimizer); below it, the engine, byte for byte as in cleanba_impala.py
 (tests/test_engine.py): envs, actor threads, learner, the run. Helpers, one concern each (docs/design.md):
-cleanba/reductions.py (the sums behind --exact), checkpoint.py, flags.py, memory.py, logs.py, lifetime.py, devices.py,
-replicas.py. Huang et al., "Cleanba: A Reproducible and Efficient Distributed Reinforcement Learning Platform" (arXiv
-2310.00036). Usage: README.md and docs/.
+cleanba/reductions.py (the sums behind --exact), spaces.py, checkpoint.py, flags.py, memory.py, logs.py,
+lifetime.py, devices.py, replicas.py. Huang et al., "Cleanba: A Reproducible and Efficient Distributed Reinforcement
+Learning Platform" (arXiv 2310.00036). Usage: README.md and docs/.
 
     python cleanba/cleanba_ppo.py --env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3
 """
@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba import checkpoint, devices, flags, lifetime, logs, memory
+from cleanba import checkpoint, devices, flags, lifetime, logs, memory, spaces
 from cleanba.flags import fail, flag
 from cleanba.lifetime import Stop, StopTraining, queue_get, queue_put
 from cleanba.logs import Stopwatch
@@ -70,6 +70,10 @@ class Algorithm:
     line, adds the engine's. Each numeric flag carries its meaningful range ("[" and "]" include the bound), checked
     before anything starts."""
 
+    local_num_envs: int = flag(64, "[1, inf)", may_change_on_resume=True)
+    """the number of parallel envs of each actor thread"""
+    num_actor_threads: int = flag(2, "[1, inf)", may_change_on_resume=True)
+    """the number of actor threads per actor device"""
     learning_rate: float = flag(2.5e-4, "(0, inf)")
     """the learning rate of the optimizer"""
     num_steps: int = flag(128, "[1, inf)")
@@ -116,6 +120,8 @@ def check_algorithm(args: "Args"):
         )
 
 
+# The action space this script trains (the engine refuses an env of another kind, naming the script that trains it).
+ACTION_SPACE = "Discrete"
 # How the engine groups a learner device's envs for PPO: every minibatch takes time steps of every env (one env set,
 # minibatch_env_sets), and a group's micro-batches split its time steps.
 MICRO_BATCHES_SPLIT = "time"
@@ -195,12 +201,25 @@ class Agent(nn.Module):
         return x
 
 
-def make_network(args: "Args", num_actions: int, platform: str | None = None) -> Agent:
+def make_network(args: "Args", action_space, platform: str | None = None) -> Agent:
     """The network from the flags, for training and for evaluating a saved model (used by cleanba/evaluate.py and
     gpu_compile.py): change this function with Agent's signature. Agent maps observations to (logits (batch,
     actions), values (batch,)). platform: where it runs ("cpu", "gpu", ...; default: JAX's default backend)."""
     xla_cpu = (platform or jax.default_backend()) == "cpu"
-    return Agent(num_actions, tuple(args.channels), args.hidden_dim, xla_cpu, jnp.dtype(args.conv_dtype).type)
+    return Agent(action_space.n, tuple(args.channels), args.hidden_dim, xla_cpu, jnp.dtype(args.conv_dtype).type)
+
+
+def sample_actions(logits, keys):
+    """The actor's sampling: for each env, with its own key, an action by the Gumbel-max trick (a sample of the
+    softmax) and its log-probability."""
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
+    actions = jnp.argmax(logits + gumbel, axis=1)
+    return actions, jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=1)[:, 0]
+
+
+def env_actions(actions: np.ndarray, action_space) -> np.ndarray:
+    """What EnvPool is sent for the sampled actions: the actions themselves."""
+    return actions
 
 
 def compute_gae(values, rewards, terminations, truncations, gamma: float, gae_lambda: float):
@@ -333,7 +352,7 @@ def make_optimizer(args: "Args"):
     )
 
 
-# ======== ENGINE: everything below this line is the same, byte for byte, in cleanba_ppo.py and cleanba_impala.py
+# ======== ENGINE: everything below this line is the same, byte for byte, in every script of the family
 # In the order a run uses it: flags, envs, actor, learner, run (start, train, stop). It calls the algorithm above
 # only through the names tests/test_engine.py lists; the helpers it imports from cleanba/ change nothing it learns.
 
@@ -344,10 +363,6 @@ class Args(Algorithm, CommonFlags):
 
     atari_protocol: Literal["machado", "impala"] = "machado"
     """Atari settings: Machado et al. 2018 (sticky actions) or the IMPALA paper's (life loss, 30 no-ops)"""
-    local_num_envs: int = flag(64, "[1, inf)", may_change_on_resume=True)
-    """the number of parallel envs of each actor thread"""
-    num_actor_threads: int = flag(2, "[1, inf)", may_change_on_resume=True)
-    """the number of actor threads per actor device"""
     gradient_accumulation_steps: int = flag(1, "[1, inf)")
     """split each minibatch into this many micro-batches whose gradients are summed (saves memory)"""
     exact: bool = False
@@ -409,6 +424,7 @@ class Args(Algorithm, CommonFlags):
 def check_args(args: Args):
     flags.check_flags(args)  # ranges, device ids, flags that act together
     check_algorithm(args)
+    spaces.check_env(args.env_id, env_kwargs(args), ACTION_SPACE, Path(__file__).name, args.capture_video)
 
 
 def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
@@ -451,7 +467,7 @@ class Rollout(NamedTuple):
     obs after the last step. A new field needs its (shape, dtype) in rollout_fields and its value in rollout_actor."""
 
     obs: np.ndarray  # (T + 1, n, *obs_shape)
-    actions: np.ndarray  # (T, n)
+    actions: np.ndarray  # (T, n, *action_shape): an index, or a Box action as sampled
     logprobs: np.ndarray  # (T, n) of the actions under the actor's policy
     rewards: np.ndarray  # (T, n)
     terminations: np.ndarray  # (T, n) the episode ended: no bootstrap
@@ -460,12 +476,14 @@ class Rollout(NamedTuple):
     env_ids: np.ndarray  # (1, n) global env indices, for layout-invariant shuffling and sums (pad envs: negative)
 
 
-def rollout_fields(args: Args, obs_shape: tuple, obs_dtype) -> Rollout:
-    """(shape, dtype) of each field of one actor thread's rollout."""
+def rollout_fields(args: Args, spec) -> Rollout:
+    """(shape, dtype) of each field of one actor thread's rollout of the envs of spec (envpool.make_spec)."""
     T, n = args.num_steps, args.local_num_envs
+    obs_shape, obs_dtype = spaces.observation_field(spec.observation_space)
+    action_shape, action_dtype = spaces.action_field(spec.action_space)
     return Rollout(
         obs=((T + 1, n, *obs_shape), obs_dtype),
-        actions=((T, n), np.int32),
+        actions=((T, n, *action_shape), action_dtype),
         logprobs=((T, n), np.float32),
         rewards=((T, n), np.float32),
         terminations=((T, n), bool),
@@ -492,23 +510,23 @@ class RolloutInfo(NamedTuple):
 
 
 def make_policy(args: Args, agent, action_key):
-    """The actor's jitted policy step: (params, obs, global env ids, step) -> the columns [actions, logprobs]. With
+    """The actor's jitted policy step: (params, obs, global env ids, step) -> the columns [actions, logprobs]: an
+    action's components, then its log-probability (sample_actions). With
     --exact the network runs on --group-envs envs at a time, each chunk on its own (optimization barriers), so that an
     env's logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
     chunk = args.group_envs if args.exact else 0
 
     @jax.jit
     def policy(params, obs, env_ids, step):
-        logits = (
+        policy_out = (
             chunked_apply(lambda o: agent.apply(params, o)[0], obs, chunk) if chunk else agent.apply(params, obs)[0]
         )
         # One key per (global env index, step): env n samples the same actions on every device layout.
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
-        actions = jnp.argmax(logits + gumbel, axis=1)
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=1)[:, 0]
+        actions, logprobs = sample_actions(policy_out, keys)
         # One array, so one device-to-host copy per step instead of two (an action index is exact in float32).
-        return jnp.stack([actions.astype(jnp.float32), logprobs], axis=1)
+        columns = [actions.reshape(actions.shape[0], -1).astype(jnp.float32), logprobs[:, None]]
+        return jnp.concatenate(columns, axis=1)
 
     return policy
 
@@ -520,6 +538,7 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
     thread's index over the actor threads of all processes."""
     first_env = actor_id * args.local_num_envs  # global env indices, the same on every layout
     env_ids = np.arange(first_env, first_env + args.local_num_envs, dtype=np.int32)
+    spec = envpool.make_spec(args.env_id, **env_kwargs(args))
     envs = make_env(args, args.local_num_envs, seed=args.seed + first_env)
     try:
         T, n = args.num_steps, args.local_num_envs
@@ -527,6 +546,7 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
         scores = logs.GameScores(n)
         envs.async_reset()
         next_obs, _, _, _, info = envs.recv()
+        next_obs = spaces.flat_observations(next_obs, spec.observation_space)
         # EnvPool resets an env on the step after its episode ends (a lost life too, with episodic_life): that step
         # ignores the action and must not be learned from (cleanrl issue 562). Its elapsed_step is 0 only after a
         # real game over, so the mask follows the done flags of the step before.
@@ -536,7 +556,7 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
             policy_version, params = queue_get(param_queue, stop)
             params = jax.device_put(params, device)
             clock.lap("param_queue_wait")
-            fields = rollout_fields(args, next_obs.shape[1:], next_obs.dtype)
+            fields = rollout_fields(args, spec)
             storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in fields])._replace(env_ids=env_ids[None])
             returns, lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)  # of the games that end, at their end
             for t in range(T):
@@ -547,11 +567,13 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
                 sampled = policy(params, next_obs, env_ids_on_device, (iteration - 1) * T + t)
                 clock.lap("inference")  # dispatch only: device_to_host waits for the result (no extra sync)
                 sampled = np.asarray(sampled)
-                actions, logprobs = sampled[:, 0].astype(np.int32), sampled[:, 1]
+                actions = sampled[:, :-1].reshape(storage.actions.shape[1:]).astype(storage.actions.dtype)
+                logprobs = sampled[:, -1]
                 clock.lap("device_to_host")
-                envs.send(actions, info["env_id"])
+                envs.send(env_actions(actions, spec.action_space), info["env_id"])
                 clock.lap("env_send")
                 next_obs, reward, terminated, truncated, info = envs.recv()
+                next_obs = spaces.flat_observations(next_obs, spec.observation_space)
                 clock.lap("env_recv")
                 storage.actions[t], storage.logprobs[t], storage.rewards[t] = actions, logprobs, reward
                 storage.terminations[t], storage.truncations[t] = terminated, truncated
@@ -631,14 +653,15 @@ def compile_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, state: Tr
 def make_agent(args: Args, spec, mesh: Mesh):
     """The network, its initial train state replicated over the learner devices, and the action and shuffle keys.
     spec: the envs' (envpool.make_spec)."""
-    agent = make_network(args, spec.action_space.n, mesh.devices.flat[0].platform)
+    agent = make_network(args, spec.action_space, mesh.devices.flat[0].platform)
     init_key, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
-    state = initial_state(agent, args, spec.observation_space, init_key)
+    state = initial_state(agent, args, spec, init_key)
     return agent, jax.device_put(state, NamedSharding(mesh, P())), action_key, shuffle_key
 
 
-def initial_state(agent, args: Args, observation_space, init_key) -> TrainState:
-    obs_example = np.zeros((1, *observation_space.shape), observation_space.dtype)
+def initial_state(agent, args: Args, spec, init_key) -> TrainState:
+    obs_shape, obs_dtype = spaces.observation_field(spec.observation_space)
+    obs_example = np.zeros((1, *obs_shape), obs_dtype)
 
     def create(key):  # one compiled program: run op by op, the initializers compile dozens (seconds at each start)
         state = TrainState.create(apply_fn=None, params=agent.init(key, obs_example), tx=make_optimizer(args))
@@ -694,7 +717,7 @@ def start(args: Args) -> TrainingRun:
     # With --resume or in a requeued SLURM job: the iteration and train state of the checkpoint (else 0 and state).
     iterations_done, state, episode_window = checkpoint.resume(args, checkpoint.checkpoint_path(run_dir), state)
 
-    fields = rollout_fields(args, spec.observation_space.shape, spec.observation_space.dtype)
+    fields = rollout_fields(args, spec)
     rollouts = (learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args)),) * flags.actor_threads(args)
     compile_update = partial(compile_learner_update, agent, shuffle_key=shuffle_key, mesh=mesh, state=state)
     compile_start = time.time()

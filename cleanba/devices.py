@@ -82,9 +82,10 @@ def print_rank():
 def make_process_gather(mesh):
     """x (..., envs) of every process, concatenated along the envs in process order, through the learner devices
     (an actor's device may be busy with inference: no collective runs there). For the episodes of all processes'
-    envs, on every process; x itself where there is one process."""
+    envs, on every process; x itself where there is one process. As float32 on any number of processes (what JAX
+    moves between them): a continuous task's float64 scores then round the same in a run of one process."""
     if jax.process_count() == 1:
-        return lambda x: x
+        return lambda x: x.astype(np.float32)
     replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
     local_devices = mesh.local_devices
 

@@ -32,6 +32,7 @@ if __name__ == "__main__":  # the program, not a module imported by a test or a 
 import numpy as np
 import tyro
 
+from cleanba import spaces
 from cleanba.checkpoint import load_model
 from cleanba.flags import check_hub_login, fail
 from cleanba.logs import GameScores
@@ -91,18 +92,30 @@ def episode_quotas(episodes: int, num_envs: int) -> np.ndarray:
     return np.full(num_envs, episodes // num_envs) + (np.arange(num_envs) < episodes % num_envs)
 
 
-def make_eval_policy(agent, greedy: bool):
+def make_eval_policy(module, agent, greedy: bool):
+    """(params, obs, key) -> actions: sampled from the policy, or with greedy its most likely action. Discrete
+    scripts' networks give logits (greedy: their argmax); Box scripts' a Gaussian's means then log standard
+    deviations (greedy: the means). EnvPool is sent them through the script's env_actions (clipped to a Box)."""
     import jax
     import jax.numpy as jnp
 
     @jax.jit
     def act(params, obs, key):
-        logits, _ = agent.apply(params, obs)
+        policy, _ = agent.apply(params, obs)
+        if module.ACTION_SPACE == "Box":
+            mean, log_std = jnp.split(policy, 2, axis=1)
+            return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
         if greedy:
-            return jnp.argmax(logits, axis=1)
-        return jax.random.categorical(key, logits, axis=1)
+            return jnp.argmax(policy, axis=1)
+        return jax.random.categorical(key, policy, axis=1)
 
     return act
+
+
+def policy_width(module, action_space) -> int:
+    """The width of the network's policy output for the env's action space: the logits of each action, or a
+    Gaussian's mean and log standard deviation of each action component."""
+    return action_space.n if module.ACTION_SPACE == "Discrete" else 2 * action_space.shape[0]
 
 
 def args_of_model(module, saved: dict):
@@ -119,22 +132,24 @@ def check_network(module, train_args, params):
     import jax
 
     spec = envpool.make_spec(train_args.env_id, **module.env_kwargs(train_args))
-    obs = np.zeros((2, *spec.observation_space.shape), spec.observation_space.dtype)
+    obs_shape, obs_dtype = spaces.observation_field(spec.observation_space)
+    obs = np.zeros((2, *obs_shape), obs_dtype)
+    width, action_shape = policy_width(module, spec.action_space), spaces.action_field(spec.action_space)[0]
     try:
-        agent = module.make_network(train_args, spec.action_space.n)
-        actions = make_eval_policy(agent, greedy=False)(params, obs, jax.random.key(0))
-        logits, values = agent.apply(params, obs)
+        agent = module.make_network(train_args, spec.action_space)
+        actions = make_eval_policy(module, agent, greedy=False)(params, obs, jax.random.key(0))
+        policy, values = agent.apply(params, obs)
     except Exception as error:
         fail(
             f"--save-model: the evaluation cannot run this network ({type(error).__name__}: {error}). It builds it "
-            f"with make_network(args, num_actions) and needs apply(params, obs) -> (logits, values); keep that "
+            f"with make_network(args, action_space) and needs apply(params, obs) -> (policy, values); keep that "
             f"contract, or train without --save-model"
         )
-    shapes = (getattr(logits, "shape", None), getattr(values, "shape", None), actions.shape)
-    if shapes != ((2, spec.action_space.n), (2,), (2,)):
+    shapes = (getattr(policy, "shape", None), getattr(values, "shape", None), actions.shape)
+    if shapes != ((2, width), (2,), (2, *action_shape)):
         fail(
-            f"--save-model: the network returns logits, values of shapes {shapes[0]}, {shapes[1]} for a batch of 2; "
-            f"the evaluation needs ((2, {spec.action_space.n}), (2,)): apply(params, obs) -> (logits, values)"
+            f"--save-model: the network returns policy, values of shapes {shapes[0]}, {shapes[1]} for a batch of 2; "
+            f"the evaluation needs ((2, {width}), (2,)): apply(params, obs) -> (policy, values)"
         )
 
 
@@ -173,8 +188,8 @@ def evaluate(
     kwargs = dict(module.env_kwargs(train_args), **({"render_mode": "rgb_array"} if recording else {}))
     envs = envpool.make(train_args.env_id, "gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed, **kwargs)
     spec = envs.spec
-    agent = module.make_network(train_args, spec.action_space.n)
-    act = make_eval_policy(agent, greedy)
+    agent = module.make_network(train_args, spec.action_space)
+    act = make_eval_policy(module, agent, greedy)
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
     scores, resetting = GameScores(num_envs), np.zeros(num_envs, bool)
@@ -185,7 +200,10 @@ def evaluate(
             frames.append(envs.render(env_ids=[0])[0])
         while np.any(played < quotas) and not interrupted():
             key, step_key = jax.random.split(key)
-            actions = np.asarray(act(params, obs, step_key))
+            actions = module.env_actions(
+                np.asarray(act(params, spaces.flat_observations(obs, spec.observation_space), step_key)),
+                spec.action_space,
+            )
             obs, reward, terminated, truncated, info = envs.step(actions)
             if recording and played[0] < quotas[0]:
                 # After a game over, the next step is EnvPool's auto-reset: its frame starts the next episode.
@@ -369,6 +387,8 @@ def main(args: Args):
     script_path = script_of(args.model, script_name, args.script)
     module = load_script(script_path)
     train_args = args_of_model(module, train_args_dict)
+    if args.capture_video:
+        spaces.check_video(train_args.env_id)
     video_dir = (args.video_dir or args.model.parent / "videos") if args.capture_video else None
     returns, lengths, videos = evaluate(
         module, train_args, params, args.episodes, args.num_envs, args.greedy, args.seed, video_dir

@@ -97,7 +97,7 @@ def check_flags(args):
         check_hub_login()
     if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:
         fail("--resume needs --run-name (the run directory under runs/ that holds the checkpoint)")
-    if not args.channels or min(args.channels) <= 0:
+    if hasattr(args, "channels") and (not args.channels or min(args.channels) <= 0):  # the ResNet's, if it has one
         fail(f"--channels {' '.join(map(str, args.channels))}: give one or more positive channel counts")
     for flag, ids in [("--actor-device-ids", args.actor_device_ids), ("--learner-device-ids", args.learner_device_ids)]:
         if not ids or min(ids) < 0 or len(set(ids)) != len(ids):

@@ -42,7 +42,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # before cleanba's modules, which hide the CUDA plugin from JAX where the machine shows no GPU
 import tyro
 
-from cleanba import startup
+from cleanba import spaces, startup
 from cleanba.benchmark.common import load_script, resolve_script, split_argv
 from cleanba.flags import actor_threads, fail
 from cleanba.reductions import learner_shapes
@@ -124,13 +124,13 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     learner_devices = [host[i] for host in hosts for i in args.learner_device_ids]
     mesh = Mesh(np.array(learner_devices), ("learner",))
     spec = envpool.make_spec(args.env_id, **module.env_kwargs(args))
-    space = spec.observation_space
-    agent = module.make_network(args, spec.action_space.n, platform="gpu")
+    space = spaces.observation_field(spec.observation_space)  # (shape, dtype) of one env's stored observation
+    agent = module.make_network(args, spec.action_space, platform="gpu")
     _, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)
-    state = jax.eval_shape(partial(module.initial_state, agent, args, space), jax.random.key(args.seed))
+    state = jax.eval_shape(partial(module.initial_state, agent, args, spec), jax.random.key(args.seed))
     replicated = NamedSharding(mesh, P())
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
-    fields = module.rollout_fields(args, space.shape, space.dtype)
+    fields = module.rollout_fields(args, spec)
     num_actors = actor_threads(args)
     rollouts = (learner_shapes(fields, args.local_num_envs, mesh, module.learner_blocks(args)),) * num_actors
 
@@ -169,7 +169,7 @@ def compile_actors(module, args, agent, action_key, params, space, local: list) 
     for i in args.actor_device_ids:
         place = SingleDeviceSharding(local[i])
         device_params = jax.tree.map(partial(shape_on, place), params)
-        obs = jax.ShapeDtypeStruct((args.local_num_envs, *space.shape), space.dtype, sharding=place)
+        obs = jax.ShapeDtypeStruct((args.local_num_envs, *space[0]), space[1], sharding=place)
         env_ids = jax.ShapeDtypeStruct((args.local_num_envs,), np.int32, sharding=place)
         step = jax.ShapeDtypeStruct((), np.int32, sharding=place)
         start = time.time()

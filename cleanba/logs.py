@@ -152,7 +152,7 @@ class IterationLogger:
         if iteration % args.log_frequency and iteration != args.num_iterations:
             return
         for key, value in jax.device_get(unreplicate(metrics)).items():
-            writer.add_scalar(f"losses/{key}", float(value), global_step)
+            writer.add_scalar(key if "/" in key else f"losses/{key}", float(value), global_step)
         sps = self.window_steps / (time.time() - self.window_start)
         self.window_start, self.window_steps = time.time(), 0
         # By name, wherever the optimizer chain keeps it (inject_hyperparams's value, not its schedule's state).

@@ -17,7 +17,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"ppo": ROOT / "cleanba" / "cleanba_ppo.py", "impala": ROOT / "cleanba" / "cleanba_impala.py"}
+SCRIPTS = {
+    "ppo": ROOT / "cleanba" / "cleanba_ppo.py",
+    "impala": ROOT / "cleanba" / "cleanba_impala.py",
+    "ppo_continuous": ROOT / "cleanba" / "cleanba_ppo_continuous.py",
+}
 
 LOSS_TAGS = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy"]
 
@@ -46,6 +50,20 @@ TINY = {
         "--num-steps",
         "8",
         "--num-minibatches",
+        "2",
+        "--log-frequency",
+        "1",
+    ],
+    "ppo_continuous": [
+        "--env-id",
+        "Hopper-v4",
+        "--hidden-dim",
+        "16",
+        "--num-steps",
+        "16",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
         "2",
         "--log-frequency",
         "1",

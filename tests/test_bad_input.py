@@ -87,6 +87,38 @@ def test_minibatch_sizes_refused(script, tmp_path):
     check_refused(process, *fragments)
 
 
+ENV_CASES = {  # an env whose spaces the script does not train, or that EnvPool cannot make here (cleanba/spaces.py)
+    "box actions to ppo": ("ppo", "HalfCheetah-v4", "has Box actions", "use cleanba_ppo_continuous.py"),
+    "box actions to impala": ("impala", "CheetahRun-v1", "has Box actions", "use cleanba_ppo_continuous.py"),
+    "discrete actions to the continuous ppo": (
+        "ppo_continuous",
+        "CartPole-v1",
+        "has Discrete actions",
+        "use cleanba_ppo.py or cleanba_impala.py",
+    ),
+    "integer box actions": ("impala", "RobotWarehouse-v0", "integer Box (int32) actions", "no Cleanba script"),
+    "a game of two players": ("ppo", "Go9x9-v1", "a game of 2 players", "one agent"),
+    "a family that cannot load here": ("ppo", "BigfishEasy-v0", "envpool.procgen cannot make it here", "Qt 5"),
+    "videos of an env EnvPool cannot render": (
+        "ppo_continuous",
+        "Hopper-v4",
+        "--capture-video: EnvPool's envpool.mujoco.gym envs",
+        "leave out --capture-video",
+        "--save-model",
+        "--capture-video",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ENV_CASES))
+def test_env_spaces_refused(case, tmp_path):
+    script, env_id, *fragments = ENV_CASES[case]
+    flags = [fragment for fragment in fragments if fragment.startswith("--") and " " not in fragment]
+    process = run_script(script, ["--env-id", env_id, *flags], tmp_path, timeout=60)
+    check_refused(process, env_id, *fragments[: len(fragments) - len(flags)])
+    assert len(process.stderr.strip().splitlines()) == 1, process.stderr
+
+
 ALGORITHM_CASES = {  # what each algorithm's check_algorithm refuses besides MINIBATCH_CASE
     "ppo micro-batches that do not divide the steps": (
         "ppo",

@@ -47,7 +47,9 @@ class MemorylessEnv:
         self.actions = np.asarray(actions)
     def recv(self):
         n = len(self.env_ids)
-        rewards = np.zeros(n, np.float32) if self.actions is None else (self.actions == self.env_ids % 2)
+        # A reward for action 1 (a Box action's first value above 0.5) in odd envs, for 0 in even ones.
+        first = None if self.actions is None else self.actions.reshape(n, -1)[:, 0] > 0.5
+        rewards = np.zeros(n, np.float32) if first is None else first == self.env_ids % 2
         done = np.zeros(n, bool)
         return self.obs.copy(), rewards.astype(np.float32), done, done, {"env_id": self.env_ids}
     def close(self):
@@ -69,7 +71,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def long_args(script, iterations=100_000):
-    steps = 16 if script == "ppo" else 8
+    steps = 16 if script.startswith("ppo") else 8
     return [*TINY[script], "--local-num-envs", 8, "--num-actor-threads", 1, "--total-timesteps", iterations * 8 * steps]
 
 
@@ -389,11 +391,13 @@ def test_signal_after_the_last_iteration_leaves_its_checkpoint(script, tmp_path)
     assert "nothing to train" in resumed.stdout and final in resumed.stdout, resumed.stdout
 
 
+@pytest.mark.parametrize("script", ["ppo", "impala", "ppo_continuous"])
 def test_resume_continues_the_straight_run_bit_for_bit(script, tmp_path):
     """A run resumed from the checkpoint of iteration k ends with the straight run's final params, bit for bit: the
     checkpoint restores the straight run's params, optimizer state and step (which also keys the minibatch
     shuffles), and the actors continue the action keys' step count. The envs hide nothing of their past
-    (MEMORYLESS_ENVPOOL), so the resumed rollouts are the straight run's. Without concurrency: with it, the first
+    (MEMORYLESS_ENVPOOL), so the resumed rollouts are the straight run's; the continuous PPO's normalizer statistics
+    (each env's discounted return among them) come back with the params. Without concurrency: with it, the first
     rollout after a resume is played with the checkpoint's params, one version newer than in the straight run."""
     iterations, k = 6, 4
     args = [*long_args(script, iterations), "--no-concurrency", "--checkpoint-frequency", k, "--run-name", "r"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cleanba import spaces
 from cleanba.benchmark.common import BenchmarkArgs, median, total_iterations, window_boundaries, window_sps
 
 
@@ -31,13 +32,20 @@ def actor_devices_and_ids(args) -> list:
     ]
 
 
+def random_actions(rng: np.random.Generator, space, n: int) -> np.ndarray:
+    """n uniform actions of a Discrete or Box action space."""
+    if type(space).__name__ == "Discrete":
+        return rng.integers(space.n, size=n, dtype=np.int32)
+    return rng.uniform(space.low, space.high, (n, *space.shape)).astype(space.dtype)
+
+
 def random_actor(module, args, actor_id: int, bench: BenchmarkArgs, barrier: threading.Barrier, stop: threading.Event):
     """Steps one pool like an actor thread does (send, then recv), with random actions instead of a policy."""
     first_env = actor_id * args.local_num_envs
     envs = module.make_env(args, args.local_num_envs, seed=args.seed + first_env)  # the actor's seeds
     try:
         rng = np.random.default_rng([args.seed, actor_id])
-        num_actions = envs.action_space.n
+        space = envs.action_space
         envs.async_reset()
         *_, info = envs.recv()
         for iteration in range(total_iterations(bench)):
@@ -46,7 +54,7 @@ def random_actor(module, args, actor_id: int, bench: BenchmarkArgs, barrier: thr
             if stop.is_set():
                 raise module.StopTraining
             for _ in range(args.num_steps):
-                envs.send(rng.integers(num_actions, size=args.local_num_envs, dtype=np.int32), info["env_id"])
+                envs.send(random_actions(rng, space, args.local_num_envs), info["env_id"])
                 *_, info = envs.recv()
         barrier.wait()  # the end of the last window
     except BaseException:
@@ -109,7 +117,7 @@ def build_model(module, args, shapes_only: bool = False):
     mesh = Mesh(np.array(learner_devices), ("learner",))
     spec = envpool.make_spec(args.env_id, **module.env_kwargs(args))
     if shapes_only:
-        agent = module.make_network(args, spec.action_space.n, mesh.devices.flat[0].platform)
+        agent = module.make_network(args, spec.action_space, mesh.devices.flat[0].platform)
         _, action_key, shuffle_key = jax.random.split(jax.random.key(args.seed), 3)  # as make_agent splits them
         shapes = jax.eval_shape(lambda: module.make_agent(args, spec, mesh)[1])
         replicated = NamedSharding(mesh, P())
@@ -182,18 +190,26 @@ def actor_phase(module, args, bench: BenchmarkArgs) -> dict:
 
 def synthetic_rollout(module, args, spec, actor_id: int, rng: np.random.Generator):
     """One actor thread's rollout with the real shapes and dtypes: random obs and actions, few episode ends."""
-    T, n, shape = args.num_steps, args.local_num_envs, spec.observation_space.shape
-    dtype = spec.observation_space.dtype
+    T, n = args.num_steps, args.local_num_envs
+    (shape, dtype), (action_shape, _) = (
+        spaces.observation_field(spec.observation_space),
+        spaces.action_field(spec.action_space),
+    )
     if np.issubdtype(dtype, np.integer):
         obs = rng.integers(0, 256, size=(T + 1, n, *shape)).astype(dtype)
     else:
         obs = rng.standard_normal((T + 1, n, *shape)).astype(dtype)
-    num_actions = spec.action_space.n
+    if action_shape:  # a Box: Gaussian samples, log-probabilities near those of a unit Gaussian's
+        actions = rng.standard_normal((T, n, *action_shape)).astype(np.float32)
+        logprobs = -0.5 * np.sum(actions**2 + np.log(2 * np.pi), axis=-1).astype(np.float32)
+    else:
+        actions = rng.integers(spec.action_space.n, size=(T, n)).astype(np.int32)
+        logprobs = np.full((T, n), -np.log(spec.action_space.n), np.float32)
     first_env = actor_id * args.local_num_envs  # as rollout_actor numbers its envs
     return module.Rollout(
         obs=obs,
-        actions=rng.integers(num_actions, size=(T, n)).astype(np.int32),
-        logprobs=np.full((T, n), -np.log(num_actions), np.float32) + rng.normal(0, 0.1, (T, n)).astype(np.float32),
+        actions=actions,
+        logprobs=logprobs + rng.normal(0, 0.1, (T, n)).astype(np.float32),
         rewards=rng.choice(np.array([-1, 0, 1], np.float32), size=(T, n), p=[0.05, 0.9, 0.05]),
         terminations=rng.random((T, n)) < 0.01,
         truncations=rng.random((T, n)) < 0.001,
@@ -216,8 +232,7 @@ def learner_rollouts(module, args, model) -> tuple:
 def rollout_structs(module, args, model) -> tuple:
     """One iteration's rollouts as the learner receives them (padded and sharded over the learner devices), as
     shapes and dtypes only: for compiling at sizes that would not fit in this machine's memory or time."""
-    space = model["spec"].observation_space
-    fields = module.rollout_fields(args, space.shape, space.dtype)
+    fields = module.rollout_fields(args, model["spec"])
     shapes = module.learner_shapes(fields, args.local_num_envs, model["mesh"], module.learner_blocks(args))
     return (shapes,) * len(actor_devices_and_ids(args))
 

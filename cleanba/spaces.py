@@ -1,0 +1,123 @@
+"""An env's observation and action spaces as the training scripts see them, and the check that a script trains them.
+
+Every script of the family stores an observation as one array. A Box as it is (float64 as float32, the precision JAX
+computes in): images stay images. Anything else becomes one float32 vector: a Dict's parts in the sorted order of
+their keys (nested Dicts likewise), a Discrete as a one-hot vector, a Box or MultiBinary part flattened. The order is
+fixed by the space alone, so it is the same on every layout and in the evaluation. Actions are Discrete
+(cleanba_ppo.py, cleanba_impala.py) or a Box of floats (cleanba_ppo_continuous.py); check_env refuses, in one line,
+an env whose spaces its script does not train.
+"""
+
+import math
+
+import numpy as np
+
+from cleanba.flags import fail
+
+# The scripts that train each kind of action space, named in the refusal of an env of another kind.
+SCRIPTS_FOR_ACTIONS = {"Discrete": "cleanba_ppo.py or cleanba_impala.py", "Box": "cleanba_ppo_continuous.py"}
+VECTOR_PARTS = ("Box", "Discrete", "MultiBinary")  # what a flattened observation is made of
+
+
+def kind(space) -> str:
+    return type(space).__name__
+
+
+def flat_size(space) -> int:
+    if kind(space) == "Dict":
+        return sum(flat_size(part) for part in space.spaces.values())
+    return int(space.n) if kind(space) == "Discrete" else math.prod(space.shape)
+
+
+def flatten(obs, space) -> np.ndarray:
+    """(n, flat_size(space)) float32 of a batch of n observations of space."""
+    if kind(space) == "Dict":
+        return np.concatenate([flatten(obs[key], space.spaces[key]) for key in sorted(space.spaces)], axis=1)
+    if kind(space) == "Discrete":
+        return np.eye(int(space.n), dtype=np.float32)[np.asarray(obs).astype(np.int64) - int(space.start)]
+    return np.reshape(obs, (len(obs), -1)).astype(np.float32)
+
+
+def observation_field(space) -> tuple:
+    """(shape, dtype) of one env's observation as the rollout stores it and the network sees it."""
+    if kind(space) != "Box":
+        return (flat_size(space),), np.dtype(np.float32)
+    dtype = np.dtype(space.dtype)
+    return tuple(space.shape), np.dtype(np.float32) if dtype == np.float64 else dtype
+
+
+def flat_observations(obs, space) -> np.ndarray:
+    """A batch of observations (n, ...) of space as observation_field says."""
+    if kind(space) != "Box":
+        return flatten(obs, space)
+    return obs.astype(np.float32) if obs.dtype == np.float64 else obs
+
+
+def action_field(space) -> tuple:
+    """(shape, dtype) of one env's action as the rollout stores it: a Discrete action's index, a Box action's values
+    as sampled (before the script's env_actions clips them)."""
+    if kind(space) == "Discrete":
+        return (), np.dtype(np.int32)
+    return tuple(space.shape), np.dtype(np.float32)
+
+
+def odd_parts(space, name: str = "") -> list:
+    """The parts of an observation space that flatten cannot take."""
+    if kind(space) == "Dict":
+        return [odd for key, part in space.spaces.items() for odd in odd_parts(part, f"{name}{key}.")]
+    return [] if kind(space) in VECTOR_PARTS else [f"{name.rstrip('.') or 'observation'}: {kind(space)}"]
+
+
+def action_kind(space) -> str:
+    """Discrete, Box (of floats) or what else the space is, as the refusals name it."""
+    if kind(space) == "Box" and not np.issubdtype(space.dtype, np.floating):
+        return f"integer Box ({np.dtype(space.dtype).name})"
+    return kind(space)
+
+
+def check_video(env_id: str, flag: str = "--capture-video"):
+    """EnvPool renders its MuJoCo-based envs through an OpenGL context that it does not create: MuJoCo then ends the
+    process at the first frame (exit 1). Refused where the run starts, not after training."""
+    import envpool
+
+    family = envpool.registration.registry.specs[env_id][0]
+    if family.startswith("envpool.mujoco"):
+        fail(
+            f"{flag}: EnvPool's {family} envs ({env_id}) render through an OpenGL context EnvPool does not create, "
+            "and MuJoCo ends the process at the first frame; leave out --capture-video (Atari, classic control and "
+            "box2d envs record videos)"
+        )
+
+
+def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, capture_video: bool = False):
+    """Refuse, before anything starts, an env this script cannot train: its EnvPool module cannot load here, it has
+    several players, its observations hold a part no script stores, or its actions are not the script's kind; and
+    videos of an env EnvPool cannot render."""
+    import envpool
+
+    if capture_video:
+        check_video(env_id)
+
+    family = envpool.registration.registry.specs[env_id][0]
+    try:
+        spec = envpool.make_spec(env_id, **env_kwargs)
+    except Exception as error:  # e.g. Procgen without the system's Qt 5
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        fail(f"--env-id={env_id}: EnvPool's {family} cannot make it here: {message}")
+    players = getattr(spec.config, "max_num_players", 1)
+    if players > 1:
+        fail(f"--env-id={env_id} is a game of {players} players ({family}); every Cleanba script trains one agent")
+    odd = odd_parts(spec.observation_space)
+    if odd:
+        fail(f"--env-id={env_id}: its observations hold {', '.join(odd)}, which no Cleanba script stores")
+    actions = action_kind(spec.action_space)
+    if actions not in SCRIPTS_FOR_ACTIONS:
+        fail(
+            f"--env-id={env_id}: its {actions} actions are not Discrete or a Box of floats, so no Cleanba script "
+            "trains them"
+        )
+    if actions != action_space:
+        fail(
+            f"--env-id={env_id} has {actions} actions, which {script} does not train: use "
+            f"{SCRIPTS_FOR_ACTIONS[actions]}"
+        )
