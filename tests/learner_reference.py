@@ -2,6 +2,9 @@
 Atari sizes, a rollout of random frames with episode ends, the script's own state and compiled update, and the
 comparison of its params with the reference's."""
 
+from types import SimpleNamespace
+
+import gymnasium
 import jax
 import numpy as np
 import tyro
@@ -58,12 +61,12 @@ def make_rollout(script, agent, params, seed: int):
 def script_learner(script, args):
     """The script's network, shuffle key, initial state and compiled learner update (one learner device)."""
     mesh = Mesh(np.array(jax.local_devices()[:1]), ("learner",))
-    agent = script.make_network(args, num_actions=18)
+    agent = script.make_network(args, gymnasium.spaces.Discrete(18))
     init_key, shuffle_key = jax.random.split(jax.random.key(7))
-    space = type("Space", (), {"shape": OBS_SHAPE, "dtype": np.uint8})
+    spec = SimpleNamespace(observation_space=gymnasium.spaces.Box(0, 255, OBS_SHAPE, np.uint8))  # as make_spec gives
     # replicated over the mesh as the scripts place it: the update's outputs come back so, and the second iteration
     # then finds the first one's program instead of compiling another for other input shardings
-    state = jax.device_put(script.initial_state(agent, args, space, init_key), NamedSharding(mesh, P()))
+    state = jax.device_put(script.initial_state(agent, args, spec, init_key), NamedSharding(mesh, P()))
     return agent, shuffle_key, state, script.make_learner_update(agent, args, shuffle_key, mesh, 1)
 
 

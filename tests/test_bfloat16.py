@@ -4,6 +4,7 @@ the kernels of cpu_kernels.cc compute it: tests/test_network.py.)"""
 
 import re
 
+import gymnasium
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +29,7 @@ def test_the_gpu_program_convolves_in_the_flags_dtype(dtype):
     forward ones and those of the backward pass, takes and gives arrays of the flag's dtype. (What XLA then compiles
     for an H100 from it, 74 cuDNN convolutions in bfloat16: docs/gpu.md.)"""
     args = make_args(cleanba_ppo, ["--conv-dtype", dtype])
-    agent = cleanba_ppo.make_network(args, 18, platform="gpu")
+    agent = cleanba_ppo.make_network(args, gymnasium.spaces.Discrete(18), platform="gpu")
     obs = frames(2)
     params = agent.init(jax.random.key(0), obs)
     text = jax.jit(jax.grad(lambda p: loss(agent, p, obs))).lower(params).as_text()
