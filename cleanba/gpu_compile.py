@@ -63,7 +63,7 @@ class CompileArgs:
     target: Literal["a100-40gb", "a100-80gb", "h100"] = "h100"
     """the GPU to compile for (specs: cleanba/gpu_targets/, from XLA's own target configs)"""
     script: str = "ppo"
-    """ppo, impala, or the path of a training script with the same functions (a fork)"""
+    """ppo, impala, ppo_continuous, or the path of a training script with the same functions (a fork)"""
     processes: int = 1
     """processes (hosts) of the run: 2 for a -d2 layout"""
 
@@ -253,7 +253,7 @@ def report(compile_args: CompileArgs, args, figures: dict, memory_bytes: int, pe
     bound = peak_flops * devices / per_step
     print(
         f"flops: {figures['update_flops'] / 1e12:.2f} TFLOP per update per learner device, "
-        f"{per_step / 1e6:.1f} MFLOP per env step; compute bound at the {compile_args.target}'s dense TF32 peak "
+        f"{per_step / 1e6:.2f} MFLOP per env step; compute bound at the {compile_args.target}'s dense TF32 peak "
         f"({peak_flops / 1e12:.0f} TFLOP/s) on {devices} learner GPU(s): {bound:,.0f} env steps/s"
     )
     figures.update(fits=fits, budget_bytes=budget, flops_per_env_step=per_step, compute_bound_sps=bound)

@@ -1,7 +1,8 @@
 """Score report: human-normalized scores of Cleanba runs over games, seeds and variants, aggregated with rliable.
 
 Reads the TensorBoard event files that the training scripts write to runs/<run_name>/, scores every run by its
-final performance, normalizes per game with the Atari-57 random and human scores in cleanba/atari_scores.csv,
+final performance, normalizes per game with the Atari-57 random and human scores in cleanba/atari_scores.csv
+(games without reference scores, MuJoCo's and dm_control's, are scored raw),
 and aggregates over games and seeds with rliable: median, interquartile mean (IQM), mean and optimality gap
 with stratified bootstrap confidence intervals (Agarwal et al., "Deep RL at the Edge of the Statistical
 Precipice", NeurIPS 2021, arXiv 2108.13264).
@@ -89,8 +90,9 @@ class Args:
     """the scalar that is scored and plotted"""
     final_fraction: float = 0.1
     """a run's score is the mean of --tag over its points in the last this fraction of its env steps"""
-    normalization: Literal["hns", "none"] = "hns"
-    """hns: (score - random) / (human - random) with the reference scores; none: raw scores"""
+    normalization: Literal["auto", "hns", "none"] = "auto"
+    """hns: (score - random) / (human - random) with the reference scores; none: raw scores; auto: hns when every
+    game has reference scores (the Atari 57 and --reference-scores), raw when none has (MuJoCo, dm_control, ...)"""
     reference_scores: Path | None = None
     """a CSV with columns env_id,random,human that extends or overrides cleanba/atari_scores.csv"""
     reps: int = 50_000
@@ -130,7 +132,7 @@ def check_args(args: Args):
     if not 0 < args.confidence < 1:
         fail(f"--confidence={args.confidence} must be in (0, 1), e.g. 0.95")
     if args.reference_scores is not None and args.normalization == "none":
-        fail("--reference-scores is only used with --normalization hns")
+        fail("--reference-scores is only used with --normalization hns or auto")
 
 
 # Reading runs
@@ -619,10 +621,16 @@ def main(args: Args):
     check_args(args)
     runs = load_runs(args.paths, args.tag)
     variants = [variant_name(run, args.variant_key) for run in runs]
-    references = None
-    if args.normalization == "hns":
+    references, env_ids = None, {run.hyperparameters["env_id"] for run in runs}
+    if args.normalization != "none":
         references = load_references(args.reference_scores)
-        check_references({run.hyperparameters["env_id"] for run in runs}, references)
+        if args.normalization == "auto":  # a mix of games with and without reference scores is refused below
+            args.normalization = "hns" if env_ids & set(references.index) else "none"
+        if args.normalization == "hns":
+            check_references(env_ids, references)
+        else:
+            print(f"no reference scores for {', '.join(sorted(env_ids))}: raw scores", file=sys.stderr)
+            references = None
     table = mark_used(score_table(runs, variants, args, references))
     matrices = score_matrices(table)
     points, intervals = interval_estimates(matrices, all_metrics, args.reps, args)

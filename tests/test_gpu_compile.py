@@ -122,6 +122,30 @@ def test_default_sizes_compile_for_a100_on_every_headline_layout(script, layout)
     assert re.search(r"compute bound .*: [\d,]+ env steps/s", process.stdout), process.stdout
 
 
+def mlp_update_flops_per_step(obs: int = 11, actions: int = 3) -> float:
+    """The continuous script's update flops per env step at its defaults (Hopper-v4: 11 observations, 3 actions):
+    two MLPs of two hidden layers (policy and value), 2 x inputs x outputs per dense layer; a gradient is about 3
+    forward passes; one forward pass for the values, then one per sample per epoch."""
+    from cleanba import cleanba_ppo_continuous as script
+
+    hidden = script.Args.hidden_dim
+    forward = sum(2 * (obs * hidden + hidden * hidden + hidden * out) for out in (actions, 1))
+    steps, epochs = script.Args.num_steps, script.Args.update_epochs
+    return forward * (steps + 1) / steps + epochs * 3 * forward
+
+
+def test_continuous_script_compiles_for_a100():
+    """cleanba_ppo_continuous.py on Hopper-v4 at its defaults, a0-l0: GPU code that fits, no convolutions, and the
+    flops of its two MLPs."""
+    process, rows = gpu_compile("a100-40gb", "ppo_continuous", [*LAYOUTS["a0-l0"], "--env-id", "Hopper-v4"])
+    check_ok(process)
+    print(process.stdout)
+    assert "compute capability 8.0" in process.stdout and "0 cuDNN convolution calls" in process.stdout
+    assert rows == {0: ("actor+learner", rows[0][1], True)}, rows
+    counted = float(re.search(r"([\d.]+) MFLOP per env step", process.stdout)[1]) * 1e6
+    assert 0.85 < counted / mlp_update_flops_per_step() < 1.15, process.stdout
+
+
 def test_h100_memory_levers():
     """H100 on a0-l0: PPO fits, with 4 accumulation steps it needs clearly less, and --exact (deterministic GPU ops)
     compiles and fits too, its policy the one the run uses: --group-envs (8) envs at a time, not the thread's 64.

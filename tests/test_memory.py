@@ -63,6 +63,24 @@ def test_learner_memory_follows_the_minibatch(script):
     assert exact["update_temp_mib"] < 0.5 * whole["update_temp_mib"], (exact, whole)
 
 
+def test_continuous_memory_counts_its_rollout():
+    """The continuous script's learner figures (Hopper-v4, an MLP): twice the steps per rollout add exactly the bytes
+    of the extra rollout fields, as rollout_fields gives them for the env's spaces, to the update's arguments."""
+    import envpool
+    import numpy as np
+
+    from cleanba import cleanba_ppo_continuous as script
+
+    figures = {T: default_memory("ppo_continuous", "--env-id", "Hopper-v4", "--num-steps", T) for T in ("256", "512")}
+    args = tyro.cli(script.Args, args=["--env-id", "Hopper-v4", "--num-steps", "256"])
+    fields = script.rollout_fields(args, envpool.make_spec("Hopper-v4"))
+    per_step = sum(np.prod(shape[1:]) * np.dtype(dtype).itemsize for shape, dtype in fields if shape[0] > 1)
+    extra = 256 * per_step * args.num_actor_threads / 2**20
+    grown = figures["512"]["update_argument_mib"] - figures["256"]["update_argument_mib"]
+    print(figures, extra)
+    assert abs(grown - extra) < 1e-3 * extra and figures["256"]["update_temp_mib"] > 0, (figures, extra)
+
+
 @contextlib.contextmanager
 def memory_cgroup(limit_bytes: int):
     """A fresh memory cgroup with this limit (cgroup v2 memory.max, else v1 memory.limit_in_bytes), as SLURM's --mem

@@ -273,15 +273,39 @@ def test_per_game_legend_of_long_variant_names_fits(tmp_path):
     assert 0 < inked_columns.min() and inked_columns.max() < 299, (inked_columns.min(), inked_columns.max())
 
 
-def test_env_without_reference_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("normalization", ["hns", "auto"])
+def test_env_without_reference_is_refused(tmp_path, capsys, normalization):
+    """A game without reference scores: refused with --normalization hns, and by default (auto) beside a game that
+    has them (one report would mix normalized and raw scores)."""
     write_events(tmp_path / "run", hyperparameters("CartPole-v1", "ppo", 1), {TAG: return_curve(100.0)})
+    if normalization == "auto":
+        write_events(tmp_path / "atari", hyperparameters("Breakout-v5", "ppo", 1), {TAG: return_curve(10.0)})
     with pytest.raises(SystemExit) as exit_info:
-        score_report.main(score_report.Args(paths=[tmp_path], out_dir=tmp_path / "report"))
+        score_report.main(score_report.Args(paths=[tmp_path], out_dir=tmp_path / "report", normalization=normalization))
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "no random and human reference scores for CartPole-v1" in error
     assert "--reference-scores" in error and "--normalization none" in error
     assert not (tmp_path / "report").exists()
+
+
+def test_games_without_references_are_scored_raw_by_default(tmp_path, capsys):
+    """MuJoCo runs (no Atari reference scores) at the default --normalization auto: the raw mean return of the
+    final 25%, labelled raw."""
+    for seed, final in [(1, 1200.0), (2, 2000.0)]:
+        write_events(
+            tmp_path / "runs" / f"hopper{seed}", hyperparameters("Hopper-v4", "ppo", seed), {TAG: return_curve(final)}
+        )
+    out = tmp_path / "report"
+    score_report.main(
+        score_report.Args(
+            paths=[tmp_path / "runs"], out_dir=out, final_fraction=0.25, reps=100, curve_reps=10, curve_points=5
+        )
+    )
+    scores = pd.read_csv(out / "scores.csv").set_index("seed")
+    assert scores.normalized_score.tolist() == scores.score.tolist() == pytest.approx([1200.0, 2000.0])
+    assert "no reference scores for Hopper-v4: raw scores" in capsys.readouterr().err
+    assert f"raw scores of {TAG}" in (out / "aggregates.md").read_text()
 
 
 def test_compare_layouts(tmp_path):

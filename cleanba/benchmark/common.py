@@ -14,7 +14,7 @@ import tyro
 PHASES = ("ceiling", "actor", "learner", "layers", "sync", "concurrent")
 THROUGHPUT_PHASES = ["ceiling", "actor", "learner", "sync", "concurrent"]  # the default: all but the layer profile
 CLEANBA = Path(__file__).parents[1]  # cleanba/, which holds the training scripts
-SCRIPTS = {"ppo": CLEANBA / "cleanba_ppo.py", "impala": CLEANBA / "cleanba_impala.py"}
+SCRIPTS = {name: CLEANBA / f"cleanba_{name}.py" for name in ("ppo", "impala", "ppo_continuous")}
 # What the benchmark calls in a training script; a fork must keep these names and signatures.
 SCRIPT_FUNCTIONS = (
     "Args",
@@ -44,7 +44,7 @@ SCRIPT_FUNCTIONS = (
 @dataclass
 class BenchmarkArgs:
     script: str = "ppo"
-    """ppo, impala, or the path of a training script with the same functions (a fork)"""
+    """ppo, impala, ppo_continuous, or the path of a training script with the same functions (a fork)"""
     phases: list[Literal["ceiling", "actor", "learner", "layers", "sync", "concurrent"]] = field(
         default_factory=lambda: list(THROUGHPUT_PHASES)
     )
@@ -82,7 +82,10 @@ def split_argv(argv: list) -> tuple:
 def resolve_script(name: str) -> Path:
     path = SCRIPTS.get(name, Path(name))
     if not path.is_file() or path.suffix != ".py":
-        fail(f"--script {name}: give ppo, impala or the path of a training script (.py); {path} is not a file")
+        fail(
+            f"--script {name}: give ppo, impala, ppo_continuous or the path of a training script (.py); "
+            f"{path} is not a file"
+        )
     return path.resolve()
 
 

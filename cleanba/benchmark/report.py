@@ -130,10 +130,15 @@ def table(phases: dict, ratios: dict) -> str:
         memory = phases["learner"]["learner_memory"]
         lines.append(
             "learner device memory (XLA's analysis): "
-            f"update temp {memory['update_temp_mib']:,.0f} MiB, one minibatch step temp "
-            f"{memory['minibatch_step_temp_mib']:,.0f} MiB (x{memory['update_over_minibatch_step']:.2f}), "
-            f"update arguments {memory['update_argument_mib']:,.0f} MiB"
+            f"update temp {mebibytes(memory['update_temp_mib'])} MiB, one minibatch step temp "
+            f"{mebibytes(memory['minibatch_step_temp_mib'])} MiB (x{memory['update_over_minibatch_step']:.2f}), "
+            f"update arguments {mebibytes(memory['update_argument_mib'])} MiB"
         )
     if "layers" in phases:
         lines.append(layers_table(phases["layers"]))
     return "\n".join(lines)
+
+
+def mebibytes(value: float) -> str:
+    """A MiB figure: whole MiB, or three decimals under 10 (an MLP's learner needs less than one)."""
+    return f"{value:,.0f}" if value >= 10 else f"{value:.3f}"
