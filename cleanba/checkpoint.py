@@ -90,28 +90,12 @@ def resume_checkpoint(path: Path, args, state):
     """(iterations done, train state, the last games' returns) of the run that saved the checkpoint at path, on
     the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
     try:
-        iterations_done, restored, episode_window = load_checkpoint(
-            path, asdict(args), host_copy(state), flags_that_may_change_on_resume(args)
-        )
+        return load_checkpoint(path, asdict(args), host_copy(state), flags_that_may_change_on_resume(args))
     except ValueError as error:
         fail(
             f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "
             "with another --run-name"
         )
-    print(
-        f"rank {args.process_index}: resumed {path} at iteration {iterations_done} (global step "
-        f"{iterations_done * args.batch_size}): params sha256 {digest(restored.params)}, opt_state sha256 "
-        f"{digest(restored.opt_state)}, optimizer step {int(restored.step)}; its last games' returns "
-        f"{episode_window['returns'].tolist()}",
-        flush=True,
-    )
-    if iterations_done >= args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
-        print(
-            f"rank {args.process_index}: nothing to train, the checkpoint is of the last iteration "
-            f"({args.num_iterations})",
-            flush=True,
-        )
-    return iterations_done, restored, episode_window
 
 
 def checkpoint_path(run_dir: Path) -> Path:
@@ -137,7 +121,24 @@ def resume(args, path: Path, state):
     if not resume_requested(args, path):
         return 0, state, None
     iterations_done, restored, episode_window = resume_checkpoint(path, args, state)
-    return iterations_done, jax.device_put(restored, jax.tree.map(lambda x: x.sharding, state)), episode_window
+    placed = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, state))
+    # The line tells what training continues from: the state as placed on the learner devices, read back, not
+    # the file's (a state lost between the two would show).
+    on_devices = host_copy(placed)
+    print(
+        f"rank {args.process_index}: resumed {path} at iteration {iterations_done} (global step "
+        f"{iterations_done * args.batch_size}): params sha256 {digest(on_devices.params)}, opt_state sha256 "
+        f"{digest(on_devices.opt_state)}, optimizer step {int(on_devices.step)}; its last games' returns "
+        f"{episode_window['returns'].tolist()}",
+        flush=True,
+    )
+    if iterations_done >= args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
+        print(
+            f"rank {args.process_index}: nothing to train, the checkpoint is of the last iteration "
+            f"({args.num_iterations})",
+            flush=True,
+        )
+    return iterations_done, placed, episode_window
 
 
 def save_run_checkpoint(run):

@@ -222,7 +222,8 @@ def test_resume_continues_the_run(script, tmp_path):
     resumed = run_script(script, [*args, "--resume"], tmp_path)
     check_ok(resumed)
 
-    # The state at resume is the saved one.
+    # The state at resume is the saved one: the line's digests are of the state as placed on the learner devices
+    # (a resume that lost the optimizer state between the file and the devices fails here).
     saved_args = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(payload["args"]).items()}
     run_args = module.Args(**saved_args)
     agent = module.Agent(2, run_args.channels, run_args.hidden_dim)

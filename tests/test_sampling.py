@@ -42,7 +42,8 @@ module.make_policy = recording_make_policy
 args = tyro.cli(module.Args, args=sys.argv[3:])
 module.check_args(args)
 module.main(args)
-np.savez(out, **{name: np.array([c[i] for c in calls]) for i, name in enumerate(["env_ids", "step", "columns", "alone"])})
+names = ["env_ids", "step", "columns", "alone"]
+np.savez(out, **{name: np.array([c[i] for c in calls]) for i, name in enumerate(names)})
 """
 
 THREADS, ENVS, STEPS, ITERATIONS = 2, 4, 16, 3
