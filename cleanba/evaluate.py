@@ -93,21 +93,21 @@ def episode_quotas(episodes: int, num_envs: int) -> np.ndarray:
 
 
 def make_eval_policy(module, agent, greedy: bool):
-    """(params, obs, key) -> actions: sampled from the policy, or with greedy its most likely action. Discrete
-    scripts' networks give logits (greedy: their argmax); Box scripts' a Gaussian's means then log standard
-    deviations (greedy: the means). EnvPool is sent them through the script's env_actions (clipped to a Box)."""
+    """(params, obs, key) -> actions: sampled from the policy by the script's own sample_actions (each env with its
+    own key, as its actors sample), or with greedy its most likely action: discrete scripts' networks give logits
+    (greedy: their argmax), Box scripts' a Gaussian's means then log standard deviations (greedy: the means).
+    EnvPool is sent them through the script's env_actions (clipped to a Box)."""
     import jax
     import jax.numpy as jnp
 
     @jax.jit
     def act(params, obs, key):
         policy, _ = agent.apply(params, obs)
+        if not greedy:
+            return module.sample_actions(policy, jax.random.split(key, obs.shape[0]))[0]
         if module.ACTION_SPACE == "Box":
-            mean, log_std = jnp.split(policy, 2, axis=1)
-            return mean if greedy else mean + jnp.exp(log_std) * jax.random.normal(key, mean.shape)
-        if greedy:
-            return jnp.argmax(policy, axis=1)
-        return jax.random.categorical(key, policy, axis=1)
+            return jnp.split(policy, 2, axis=1)[0]
+        return jnp.argmax(policy, axis=1)
 
     return act
 

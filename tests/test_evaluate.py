@@ -162,6 +162,87 @@ def test_cli_plays_the_params_of_the_model(tmp_path):
     assert games[0] != games[1], games
 
 
+def constant_box_games(env_id: str, action, episodes: int, num_envs: int, seed: int, kwargs: dict) -> list:
+    """A plain EnvPool loop sending one continuous action always: (length, return) of each game, in the order games
+    end, each env playing its share (the step after a game over is EnvPool's reset: not counted)."""
+    import envpool
+    import numpy as np
+
+    envs = envpool.make(env_id, "gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed, **kwargs)
+    envs.reset()
+    quotas = [episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)]
+    played, steps, returns = [0] * num_envs, [0] * num_envs, [0.0] * num_envs
+    resetting, games = [False] * num_envs, []
+    while played != quotas:
+        _, reward, terminated, truncated, _ = envs.step(np.tile(np.asarray(action, np.float32), (num_envs, 1)))
+        for i in range(num_envs):
+            if not resetting[i]:
+                steps[i], returns[i] = steps[i] + 1, returns[i] + float(reward[i])
+            resetting[i] = bool(terminated[i] or truncated[i])
+            if resetting[i]:
+                if played[i] < quotas[i]:
+                    games.append((steps[i], returns[i]))
+                    played[i] += 1
+                steps[i], returns[i] = 0, 0.0
+    envs.close()
+    return games
+
+
+def test_continuous_cli_plays_the_clipped_means_or_samples(tmp_path):
+    """The continuous script's saved model (Hopper-v4, evaluated at the end of training too), with its policy's means
+    forced to (2, -2, 0.5) (zero weights, that bias): greedy, and sampled at a standard deviation of e^-20, the CLI
+    plays the games of a plain loop sending the clipped action (1, -1, 0.5) (unclipped, MuJoCo's control cost would
+    differ); at a standard deviation of 1, sampled games differ from greedy ones."""
+    import jax
+    import numpy as np
+    import tyro
+
+    from cleanba import cleanba_ppo_continuous as module
+    from cleanba.checkpoint import load_model, save_model
+
+    process, model = train_and_save("ppo_continuous", tmp_path, ["--eval-episodes", 2])
+    assert "evaluation: 2 episodes" in process.stdout
+    args, params, script = load_model(model)
+
+    def play(log_std: float, greedy: bool) -> list:
+        forced = jax.tree.map(np.array, params)  # a copy
+        layers = [layer for layer in forced["params"].values() if isinstance(layer, dict)]
+        (head,) = [layer for layer in layers if np.shape(layer["bias"]) == (3,)]
+        head["kernel"] = np.zeros_like(head["kernel"])
+        head["bias"] = np.array([2.0, -2.0, 0.5], np.float32)
+        forced["params"]["log_std"] = np.full(3, log_std, np.float32)
+        path = tmp_path / f"forced{log_std}.cleanba_model"
+        save_model(path, script, args, forced)
+        command = [*EVALUATE, path, "--episodes", 4, "--num-envs", 2, "--seed", 7, *["--greedy"] * greedy]
+        process = subprocess.run(
+            list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+        )
+        check_ok(process)
+        lines = [line.split() for line in process.stdout.splitlines() if line.startswith("episode ")]
+        return [(int(line[-1]), float(line[3].rstrip(","))) for line in lines]
+
+    train_args = tyro.cli(module.Args, args=["--env-id", "Hopper-v4"])
+    module.check_args(train_args)  # registers EnvPool's MuJoCo family, as a run does
+    reference = constant_box_games("Hopper-v4", [1.0, -1.0, 0.5], 4, 2, 7, module.env_kwargs(train_args))
+    for greedy in (True, False):
+        games = play(-20.0, greedy)
+        assert [length for length, _ in games] == [length for length, _ in reference], (games, reference)
+        np.testing.assert_allclose([r for _, r in games], [r for _, r in reference], atol=0.01)
+    assert play(0.0, greedy=False) != play(0.0, greedy=True)
+    # Its Hub folder: the continuous script beside the model, and a card that evaluates it with that script.
+    from cleanba.evaluate import build_hub_folder
+
+    script_path = ROOT / "cleanba" / "cleanba_ppo_continuous.py"
+    folder = build_hub_folder(tmp_path / "hub", model, script_path, args, [1.0, 3.0], [9, 11], [], "me/hopper")
+    assert (folder / "cleanba_ppo_continuous.py").read_bytes() == script_path.read_bytes()
+    card = (folder / "README.md").read_text()
+    assert "name: Hopper-v4" in card and "value: 2.00 +/- 1.00" in card, card
+    command = (
+        "python -m cleanba.evaluate model/cleanba_ppo_continuous.cleanba_model --script model/cleanba_ppo_continuous.py"
+    )
+    assert command in card, card
+
+
 def test_cli_on_atari_scores_whole_games(tmp_path):
     """Machado protocol: no life-loss signal, so an episode is a whole game of Breakout (5 lives)."""
     process = run_script(
