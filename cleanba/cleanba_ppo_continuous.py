@@ -151,7 +151,7 @@ class Agent(nn.Module):
 
     @nn.compact
     def __call__(self, obs):
-        x = obs.astype(jnp.float32)
+        x = obs.reshape(obs.shape[0], -1).astype(jnp.float32)  # an image (CarRacing's frames) as one vector
         obs_mean = self.variable("normalizer", "obs_mean", jnp.zeros, x.shape[-1:])
         obs_var = self.variable("normalizer", "obs_var", jnp.ones, x.shape[-1:])
         self.variable("normalizer", "obs_count", lambda: jnp.float32(1e-4))  # gym's RunningMeanStd's prior count
@@ -262,7 +262,8 @@ def scale_rewards(args: "Args", normalizer: dict, rollout: "Rollout", groups: "G
 def update_obs_statistics(normalizer: dict, rollout: "Rollout", groups: "Groups") -> dict:
     """The observation statistics merged with the rollout's valid observations (each once: the last row is the next
     rollout's first), after the update, so that the update saw the observations normalised as the actor did."""
-    batch = batch_statistics(groups, rollout.obs[:-1].astype(jnp.float32), rollout.valid.astype(jnp.float32))
+    obs = rollout.obs[:-1].reshape(*rollout.valid.shape, -1).astype(jnp.float32)  # as the network flattens it
+    batch = batch_statistics(groups, obs, rollout.valid.astype(jnp.float32))
     mean, var, count = merge_statistics(normalizer["obs_mean"], normalizer["obs_var"], normalizer["obs_count"], *batch)
     return dict(normalizer, obs_mean=mean, obs_var=var, obs_count=count)
 

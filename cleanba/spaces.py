@@ -89,6 +89,16 @@ def check_video(env_id: str, flag: str = "--capture-video"):
         )
 
 
+# EnvPool's VizDoom envs do not start inside a training run here: envpool.make hangs in the actor thread (Basic-v1,
+# holding the GIL, so that not even SIGTERM is handled), and on the multiplayer maps (Cig-v1, MultiDuel-v1) it ends
+# the process with a segmentation fault, though a plain loop makes the single-player ones. Refused where the run
+# starts (envpool 1.2.x, Linux x86_64).
+REFUSED_FAMILIES = {
+    "envpool.vizdoom": "its envs do not start inside a Cleanba run (envpool.make hangs in the actor thread, or "
+    "ends the process with a segmentation fault on the multiplayer maps)"
+}
+
+
 def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, capture_video: bool = False):
     """Refuse, before anything starts, an env this script cannot train: its EnvPool module cannot load here, it has
     several players, its observations hold a part no script stores, or its actions are not the script's kind; and
@@ -99,6 +109,8 @@ def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, cap
         check_video(env_id)
 
     family = envpool.registration.registry.specs[env_id][0]
+    if family in REFUSED_FAMILIES:
+        fail(f"--env-id={env_id}: EnvPool's {family}: {REFUSED_FAMILIES[family]}; no Cleanba script trains it")
     try:
         spec = envpool.make_spec(env_id, **env_kwargs)
     except Exception as error:  # e.g. Procgen without the system's Qt 5

@@ -103,6 +103,8 @@ LONGEST_FIRST = [
     "test_distributed.py",  # 4
     "test_evaluate.py",  # 4
     "test_benchmark.py",  # 4
+    "test_env_registry.py",  # 3
+    "test_continuous.py",  # 2.5
     "test_ppo_update.py",  # 3
     "test_forks.py",  # 2.5
 ]

@@ -44,7 +44,7 @@ def test_every_registry_id_is_trained_by_one_script_or_refused_in_one_line():
     assert len(results) >= 1_600, len(results)
     by_kind = {kind: {i for i, r in results.items() if r[kind] == "trains"} for kind in ["Discrete", "Box"]}
     assert not by_kind["Discrete"] & by_kind["Box"]  # one kind of script per env
-    assert len(by_kind["Discrete"]) >= 350 and len(by_kind["Box"]) >= 1_190, {k: len(v) for k, v in by_kind.items()}
+    assert len(by_kind["Discrete"]) >= 350 and len(by_kind["Box"]) >= 1_170, {k: len(v) for k, v in by_kind.items()}
     assert {"Breakout-v5", "CartPole-v1", "MiniGrid-MemoryS7-v0", "FrozenLake-v1"} <= by_kind["Discrete"]
     assert {"HalfCheetah-v4", "Hopper-v4", "CheetahRun-v1", "MetaWorld/Assembly-v3"} <= by_kind["Box"]
     # Every other outcome is a refusal, exit 2, of one line each (one per kind tried), that says why.
@@ -57,7 +57,9 @@ def test_every_registry_id_is_trained_by_one_script_or_refused_in_one_line():
     assert len(procgen) == 50 and {i for i in neither if "envpool.procgen" in why[i]} == procgen
     assert all("Qt 5" in why[i] for i in procgen)  # where the system's Qt 5 is missing, as on CI's machines
     assert "players" in why["Go9x9-v1"] and "integer Box (int32) actions" in why["RobotWarehouse-v0"]
-    assert len(neither) <= 110, sorted(neither)
+    vizdoom = {i for i in results if envpool_family(i) == "envpool.vizdoom"}
+    assert len(vizdoom) == 21 and vizdoom <= neither and all("do not start" in why[i] for i in vizdoom)
+    assert len(neither) <= 125, sorted(neither)
 
 
 def envpool_family(env_id: str) -> str:
@@ -70,6 +72,7 @@ CASES = {  # script, env id, flags
     "toy-text-discrete-obs": ("ppo", "FrozenLake-v1", ["--num-steps", "16"]),
     "highway-dict-box-actions": ("ppo_continuous", "Parking-v0", ["--num-steps", "16"]),
     "metaworld-float32-box-actions": ("ppo_continuous", "MetaWorld/Assembly-v3", ["--num-steps", "16"]),
+    "box2d-image-obs-box-actions": ("ppo_continuous", "CarRacing-v3", ["--num-steps", "16"]),  # 96 x 96 x 3
 }
 
 

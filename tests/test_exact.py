@@ -2,8 +2,9 @@
 
 Each case runs 2 actor threads' worth of envs (2 x 4) on a0-l0, a0-l1,2 and a0-l1,2,3 in one process, as one
 thread of 8 envs, and as two processes of one thread of 4 each (d2), and compares, iteration by iteration, the
-params checksum, the losses and the episode curves, and the final params sha256 of every run. Breakout, whose runs
-cost the most, leaves out a0-l1,2: a0-l1,2,3 splits its envs over learner devices too, with masked pad envs.
+params checksum, the losses and the episode curves, and the final params sha256 of every run. Breakout and
+CheetahRun, whose runs cost the most, leave out a0-l1,2: a0-l1,2,3 splits their envs over learner devices too, with
+masked pad envs.
 
 Every process has the same 4 forced host devices, whatever devices its layout uses: XLA:CPU sizes its thread pool
 from the device count (on a 2-core machine, 1 to 3 devices gave one set of bits and 4 or 8 another for the same
@@ -69,6 +70,7 @@ SIZES = {  # per (script, env): flags, steps per env per iteration
 }
 NORMALIZER_CURVES = ["normalizer/return_std", "normalizer/obs_std_mean", "normalizer/obs_count"]
 DEVICES = 4
+COSTLY = ("Breakout-v5", "CheetahRun-v1")  # without a0-l1,2: a0-l1,2,3 splits the learner too, with pad envs
 LAYOUTS = {
     "a0-l0": [],
     "a0-l1,2": ["--actor-device-ids", "0", "--learner-device-ids", "1", "2"],
@@ -77,7 +79,7 @@ LAYOUTS = {
 
 
 def layouts(env_id: str) -> dict:
-    return {name: flags for name, flags in LAYOUTS.items() if env_id != "Breakout-v5" or name != "a0-l1,2"}
+    return {name: flags for name, flags in LAYOUTS.items() if env_id not in COSTLY or name != "a0-l1,2"}
 
 
 def exact_args(script, env_id, threads, envs=ENVS):
