@@ -23,8 +23,10 @@ from typing import Literal, NamedTuple
 from cleanba.startup import add_xla_flags, prepare_process
 
 # Before JAX and EnvPool load: XLA's flags and memory fraction (cleanba/startup.py), and one line naming what to
-# install where this Python or EnvPool cannot run.
+# install where this Python or EnvPool cannot run. The imports that follow it are this file's own lint exception
+# (E402), so that a fork, a copy of the file, passes the project's lint wherever it lies.
 prepare_process(main=__name__ == "__main__")
+# ruff: noqa: E402
 
 import envpool
 import flax.linen as nn
@@ -680,10 +682,10 @@ def start(args: Args) -> TrainingRun:
 
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
     agent, state, action_key, shuffle_key = make_agent(args, spec, mesh)
-    if args.save_model and args.eval_episodes:  # a network the evaluation cannot use must fail now, not at the end
-        from cleanba.evaluate import check_network
+    # The network's contract, from shapes alone: a fork's head of the wrong width fails now, not silently in training.
+    from cleanba.evaluate import check_network
 
-        check_network(sys.modules[__name__], args, unreplicate(state.params))
+    check_network(sys.modules[__name__], args, unreplicate(state.params))
     # With --resume or in a requeued SLURM job: the iteration and train state of the checkpoint (else 0 and state).
     iterations_done, state, episode_window = checkpoint.resume(args, checkpoint.checkpoint_path(run_dir), state)
 

@@ -126,30 +126,37 @@ def args_of_model(module, saved: dict):
 
 
 def check_network(module, train_args, params):
-    """At the start of a --save-model run: the evaluation rebuilds the network with module.make_network and plays
-    it with make_eval_policy. A fork whose network breaks that contract fails here, not after training."""
+    """At the start of every run, from shapes alone (jax.eval_shape: nothing compiles or runs): the network gives a
+    policy and values of the shapes the actors, the learner and the evaluation use (make_network, apply(params, obs)
+    -> (policy, values), make_eval_policy). A fork whose network breaks that contract, a head of the wrong width
+    say, fails here, before anything starts, instead of training on out-of-range actions."""
     import envpool
     import jax
 
     spec = envpool.make_spec(train_args.env_id, **module.env_kwargs(train_args))
     obs_shape, obs_dtype = spaces.observation_field(spec.observation_space)
-    obs = np.zeros((2, *obs_shape), obs_dtype)
-    width, action_shape = policy_width(module, spec.action_space), spaces.action_field(spec.action_space)[0]
+    obs = jax.ShapeDtypeStruct((2, *obs_shape), obs_dtype)
+    width, action_shape = int(policy_width(module, spec.action_space)), spaces.action_field(spec.action_space)[0]
     try:
         agent = module.make_network(train_args, spec.action_space)
-        actions = make_eval_policy(module, agent, greedy=False)(params, obs, jax.random.key(0))
-        policy, values = agent.apply(params, obs)
+        actions = jax.eval_shape(make_eval_policy(module, agent, greedy=False), params, obs, jax.random.key(0))
+        policy, values = jax.eval_shape(agent.apply, params, obs)
     except Exception as error:
         fail(
-            f"--save-model: the evaluation cannot run this network ({type(error).__name__}: {error}). It builds it "
-            f"with make_network(args, action_space) and needs apply(params, obs) -> (policy, values); keep that "
-            f"contract, or train without --save-model"
+            f"the network breaks the scripts' contract ({type(error).__name__}: {error}): they build it with "
+            f"make_network(args, action_space) and need apply(params, obs) -> (policy, values)"
         )
     shapes = (getattr(policy, "shape", None), getattr(values, "shape", None), actions.shape)
     if shapes != ((2, width), (2,), (2, *action_shape)):
+        per_action = (
+            f"one logit for each of {train_args.env_id}'s {width} actions"
+            if module.ACTION_SPACE == "Discrete"
+            else f"the means, then the log standard deviations, of {train_args.env_id}'s {width // 2} action components"
+        )
         fail(
-            f"--save-model: the network returns policy, values of shapes {shapes[0]}, {shapes[1]} for a batch of 2; "
-            f"the evaluation needs ((2, {width}), (2,)): apply(params, obs) -> (policy, values)"
+            f"the network returns policy and values of shapes {shapes[0]} and {shapes[1]} for a batch of 2 "
+            f"observations; the scripts need ({(2, width)}, (2,)): apply(params, obs) -> (policy, values), the policy "
+            f"{per_action} (make_network builds it)"
         )
 
 

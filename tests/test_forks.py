@@ -95,12 +95,28 @@ def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
         assert "eval/episodic_return" in scalars(run_dir(tmp_path / "a0-l0"))
 
 
-def test_network_contract_checked_at_start(tmp_path):
-    """A fork whose network the evaluation cannot use fails at start with --save-model, not after training."""
+CONTRACT_BREAKS = {  # a fork's network that breaks the contract: (edit of cleanba_ppo.py, what the refusal names)
+    "three outputs": (
+        ("        return logits, value[:, 0]\n", "        return logits, value, logits\n"),
+        "make_network",
+    ),
+    # the issue's silent trainer: 16 logits (the hidden width) for CartPole's 2 actions, which EnvPool accepted
+    "a head of the wrong width": (
+        ("nn.Dense(self.num_actions, kernel_init", "nn.Dense(self.hidden_dim, kernel_init"),
+        "shapes (2, 16) and (2,) for a batch of 2 observations; the scripts need ((2, 2), (2,))",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTRACT_BREAKS))
+def test_network_contract_checked_at_start(case, tmp_path):
+    """A fork whose network breaks the contract fails at start, exit 2 in one line, on every run (without
+    --save-model too), before any env steps."""
+    (old, new), named = CONTRACT_BREAKS[case]
     directory = tmp_path / "fork" / "cleanba"
     directory.mkdir(parents=True)
     source = (ROOT / "cleanba" / "cleanba_ppo.py").read_text()
-    broken = source.replace("        return logits, value[:, 0]\n", "        return logits, value, logits\n")
+    broken = source.replace(old, new)
     assert broken != source
     (directory / "cleanba_ppo.py").write_text(broken)
     command = [
@@ -113,10 +129,10 @@ def test_network_contract_checked_at_start(tmp_path):
         "1",
         "--total-timesteps",
         10_000_000,
-        "--save-model",
     ]
     process = subprocess.run(
         list(map(str, command)), cwd=tmp_path, env=script_env(1), capture_output=True, text=True, timeout=120
     )
     assert process.returncode == 2, process.stderr
-    assert "--save-model" in process.stderr and "make_network" in process.stderr and "step " not in process.stdout
+    assert named in process.stderr and "step " not in process.stdout, process.stderr
+    assert len(process.stderr.strip().splitlines()) == 1 and "Traceback" not in process.stderr, process.stderr
