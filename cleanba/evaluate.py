@@ -18,6 +18,7 @@ videos to runs/<run_name>/videos/ with --capture-video, and uploads with --uploa
 import importlib.util
 import json
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -68,8 +69,10 @@ class Args:
 
 def load_script(path: Path):
     """Import a training script by file path, so that a forked script anywhere can be evaluated."""
-    spec = importlib.util.spec_from_file_location(f"cleanba_script_{Path(path).stem}", path)
+    name = f"cleanba_script_{Path(path).stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and tyro resolve the Args annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 

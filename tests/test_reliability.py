@@ -27,47 +27,10 @@ from conftest import (
     start_script,
 )
 
-# Runs a training script on envs whose observations never change (one fixed vector per env id, from the real env's
-# space) and whose reward is 1 when the action equals env id mod 2, and whose episodes never end: nothing an env
-# shows depends on its past, so a run resumed from a checkpoint sees what the straight run saw at the same
-# iterations, although EnvPool's envs restart from a reset.
-MEMORYLESS_ENVPOOL = """
-import runpy, sys, envpool
-import numpy as np
-class MemorylessEnv:
-    def __init__(self, task_id, num_envs, seed, **kwargs):
-        space = envpool.make_spec(task_id, **kwargs).observation_space
-        rng = np.random.default_rng(seed)
-        self.obs = rng.uniform(-1, 1, (num_envs, *space.shape)).astype(space.dtype)
-        self.env_ids = np.arange(num_envs, dtype=np.int32)
-        self.actions = None
-    def async_reset(self):
-        self.actions = None
-    def send(self, actions, env_ids):
-        self.actions = np.asarray(actions)
-    def recv(self):
-        n = len(self.env_ids)
-        # A reward for action 1 (a Box action's first value above 0.5) in odd envs, for 0 in even ones.
-        first = None if self.actions is None else self.actions.reshape(n, -1)[:, 0] > 0.5
-        rewards = np.zeros(n, np.float32) if first is None else first == self.env_ids % 2
-        done = np.zeros(n, bool)
-        return self.obs.copy(), rewards.astype(np.float32), done, done, {"env_id": self.env_ids}
-    def close(self):
-        pass
-envpool.make = lambda task_id, env_type, num_envs, batch_size, seed, **kwargs: MemorylessEnv(
-    task_id, num_envs, seed, **kwargs
-)
-# Each checkpoint is also kept as checkpoint.msgpack.<iteration> once saved, for a test to resume from any of them.
-import shutil
-from cleanba import checkpoint
-save = checkpoint.save_run_checkpoint
-def save_and_keep(run):
-    save(run)
-    shutil.copyfile(run.checkpoint_path, f"{run.checkpoint_path}.{run.iterations_done}")
-checkpoint.save_run_checkpoint = save_and_keep
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+from cleanba.check_fork import MEMORYLESS_ENVPOOL
+
+# MEMORYLESS_ENVPOOL: a training script run on envs whose observations never change and whose episodes never end
+# (cleanba/check_fork.py, whose resume check uses it too): a resumed run sees what the straight run saw.
 
 
 def long_args(script, iterations=100_000):
