@@ -137,13 +137,27 @@ class Groups(NamedTuple):
     def gradients(self, loss_fn, params, batch: dict, count):
         """The sum over all groups and their micro-batches of (gradients, metrics) of loss_fn(params, micro_batch,
         count) -> (loss, metrics). batch: (groups, rows, width) per field."""
-        grad_fn = jax.grad(loss_fn, has_aux=True)
+        grad_fn = jax.grad(lambda p, micro_batch, c: loss_fn(p, MicroBatch(micro_batch), c), has_aux=True)
         split = partial(split_micro_batches, self.micro_batches, self.micro_batch_axis)
 
         def group_gradients(group):
             return summed_gradients(grad_fn, params, jax.tree.map(split, group), count)
 
         return self.total(group_gradients, batch)
+
+
+class MicroBatch(dict):
+    """A micro-batch's fields as the loss reads them. A field the loss reads that learn did not put in the batch
+    stops the run in one line, naming where the field goes: the update is traced (compiled) at the start of a run,
+    before any thread starts, so this is where a fork learns of it."""
+
+    def __missing__(self, name):
+        from cleanba.flags import fail
+
+        fail(
+            f"the loss reads batch[{name!r}], which the minibatches do not have (they have {', '.join(self)}): "
+            f"put {name}=... in the data dict that learn builds from the rollout (docs/forking.md)"
+        )
 
 
 def sum_in_key_order(per_group, keys):

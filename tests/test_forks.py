@@ -2,13 +2,14 @@
 cleanba_ppo.py, which then trains a few iterations on two layouts. The new metric is logged and the layouts
 learn the same thing, so the guide cannot go stale and its edits keep layout invariance."""
 
+import re
 import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import LOSS_TAGS, ROOT, TINY, check_ok, first_losses, run_dir, scalars, script_env
+from conftest import LOSS_TAGS, ROOT, SCRIPTS, TINY, check_ok, first_losses, run_dir, scalars, script_env
 from flax.traverse_util import flatten_dict
 
 ATARI = [
@@ -25,18 +26,20 @@ ATARI = [
     "--log-frequency",
     "1",
 ]
-FORKS = {  # patch: (flags, the tag the edit adds)
-    "kl_penalty": (TINY["ppo"], "losses/kl_penalty"),
-    "new_metric": (TINY["ppo"], "losses/value_abs_error"),
-    "nature_cnn": (ATARI, None),
+FORKS = {  # patch: (the script it edits, flags, the tag the edit adds)
+    "kl_penalty": ("ppo", TINY["ppo"], "losses/kl_penalty"),
+    "new_metric": ("ppo", TINY["ppo"], "losses/value_abs_error"),
+    "nature_cnn": ("ppo", ATARI, None),
+    "impala_kl_schedule": ("impala", TINY["impala"], "losses/kl_penalty"),
 }
 LAYOUTS = {"a0-l0": ([], 1), "a0-l1,2": (["--actor-device-ids", "0", "--learner-device-ids", "1", "2"], 3)}
 
 
 def forked_script(patch: str, directory) -> str:
-    """A copy of cleanba_ppo.py with tests/forks/<patch>.patch applied (git apply works outside a repository)."""
+    """A copy of the stock script with tests/forks/<patch>.patch applied (git apply works outside a repository)."""
+    name = SCRIPTS[FORKS[patch][0]].name
     (directory / "cleanba").mkdir(parents=True)
-    shutil.copy(ROOT / "cleanba" / "cleanba_ppo.py", directory / "cleanba" / "cleanba_ppo.py")
+    shutil.copy(SCRIPTS[FORKS[patch][0]], directory / "cleanba" / name)
     result = subprocess.run(
         ["git", "apply", str(ROOT / "tests" / "forks" / f"{patch}.patch")],
         cwd=directory,
@@ -44,7 +47,7 @@ def forked_script(patch: str, directory) -> str:
         text=True,
     )
     assert result.returncode == 0, f"docs/forking.md's {patch} edit no longer applies: {result.stderr}"
-    return str(directory / "cleanba" / "cleanba_ppo.py")
+    return str(directory / "cleanba" / name)
 
 
 # The Nature CNN's run is mostly its convolutions (XLA's own, not the scripts' kernels): with LLVM's optimizations
@@ -53,7 +56,7 @@ def forked_script(patch: str, directory) -> str:
     "patch", [pytest.param(p, marks=[pytest.mark.xla_default] * (p == "nature_cnn")) for p in FORKS]
 )
 def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
-    flags, new_tag = FORKS[patch]
+    _, flags, new_tag = FORKS[patch]
     script = forked_script(patch, tmp_path / "fork")
     steps = 16 if flags is TINY["ppo"] else 8
     losses = {}
@@ -93,6 +96,32 @@ def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
         kernels = {k: v.shape for k, v in flatten_dict(params).items() if k[-1] == "kernel"}
         assert kernels[("params", "Conv_0", "kernel")] == (8, 8, 4, 32), kernels
         assert "eval/episodic_return" in scalars(run_dir(tmp_path / "a0-l0"))
+
+
+def test_impala_kl_penalty_has_a_gradient_and_the_entropy_coefficient_follows_state_step(tmp_path):
+    """docs/forking.md's IMPALA recipe: the KL term built from newlogprobs with their gradient changes what is
+    learned (from IMPALA's stop-gradient logratio it would add a constant: the same params as without it), and the
+    entropy coefficient computed from state.step anneals over the run's minibatch updates."""
+    script = forked_script("impala_kl_schedule", tmp_path / "fork")
+    iterations, steps = 3, 8
+    digests, logged = {}, {}
+    for kl_coef in ["0", "1"]:
+        directory = tmp_path / f"kl{kl_coef}"
+        directory.mkdir()
+        command = [sys.executable, script, *TINY["impala"], "--kl-coef", kl_coef, "--local-num-envs", "4"]
+        command += ["--num-actor-threads", "1", "--total-timesteps", iterations * 4 * steps]
+        process = subprocess.run(
+            list(map(str, command)), cwd=directory, env=script_env(1), capture_output=True, text=True, timeout=300
+        )
+        check_ok(process)
+        (digests[kl_coef],) = re.findall(r"final params sha256 (\w+)", process.stdout)
+        logged[kl_coef] = scalars(run_dir(directory))
+    assert digests["0"] != digests["1"], digests
+    assert all(value == 0 for _, value in logged["0"]["losses/kl_penalty"])
+    # Iteration i's 2 minibatch updates have state.step 2(i - 1) and 2(i - 1) + 1 of 2 x 3: their mean coefficient.
+    coefficients = [value for _, value in logged["1"]["losses/ent_coef"]]
+    expected = [0.01 * (1 - (2 * i + 0.5) / (2 * iterations)) for i in range(iterations)]
+    np.testing.assert_allclose(coefficients, expected, rtol=1e-5)
 
 
 CONTRACT_BREAKS = {  # a fork's network that breaks the contract: (edit of cleanba_ppo.py, what the refusal names)
@@ -136,3 +165,25 @@ def test_network_contract_checked_at_start(case, tmp_path):
     assert process.returncode == 2, process.stderr
     assert named in process.stderr and "step " not in process.stdout, process.stderr
     assert len(process.stderr.strip().splitlines()) == 1 and "Traceback" not in process.stderr, process.stderr
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_field_the_loss_reads_but_learn_does_not_pass_is_named(script, tmp_path):
+    """The loss reading a field that learn's data dict lacks stops the run at its start, exit 2 in one line that
+    says where the field goes (not a traceback through cleanba/reductions.py)."""
+    source = SCRIPTS[script].read_text()
+    signature = re.search(r"^def \w+_loss\(agent: Agent, args: \"Args\", params, batch: dict, count\):\n", source, re.M)
+    docstring_or_body = source[signature.end() :]
+    broken = source[: signature.end()] + '    unused = batch["old_values"]  # noqa: F841\n' + docstring_or_body
+    fork = tmp_path / "fork" / f"my_{script}.py"
+    fork.parent.mkdir()
+    fork.write_text(broken)
+    command = [sys.executable, str(fork), *TINY[script], "--local-num-envs", "4", "--num-actor-threads", "1"]
+    process = subprocess.run(
+        list(map(str, command)), cwd=tmp_path, env=script_env(1), capture_output=True, text=True, timeout=120
+    )
+    assert process.returncode == 2, process.stderr
+    assert "step " not in process.stdout and "Traceback" not in process.stderr, process.stderr
+    (line,) = process.stderr.strip().splitlines()
+    assert "the loss reads batch['old_values'], which the minibatches do not have (they have " in line, line
+    assert "put old_values=... in the data dict that learn builds from the rollout" in line, line
