@@ -101,6 +101,7 @@ LONGEST_FIRST = [
     "test_two_nodes.py",  # 6
     "test_reliability.py",  # 6
     "test_distributed.py",  # 4
+    "test_check_fork.py",  # 4
     "test_evaluate.py",  # 4
     "test_benchmark.py",  # 4
     "test_env_registry.py",  # 3

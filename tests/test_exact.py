@@ -65,7 +65,7 @@ SIZES = {  # per (script, env): flags, steps per env per iteration
             ["--hidden-dim", "16", "--num-steps", str(steps), "--num-minibatches", "2", "--update-epochs", "2"],
             steps,
         )
-        for env, steps in [("Hopper-v4", 16), ("CheetahRun-v1", 64)]
+        for env, steps in [("CheetahRun-v1", 64)]
     },
 }
 NORMALIZER_CURVES = ["normalizer/return_std", "normalizer/obs_std_mean", "normalizer/obs_count"]
@@ -149,10 +149,11 @@ def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
     check_every_layout(script, env_id, tmp_path)
 
 
-@pytest.mark.parametrize("env_id", ["Hopper-v4", "CheetahRun-v1"])
+@pytest.mark.parametrize("env_id", ["CheetahRun-v1"])
 def test_continuous_bitwise_identical_on_every_layout(env_id, tmp_path):
-    """cleanba_ppo_continuous.py, on a MuJoCo task and a dm_control one (Dict observations): params, losses, curves
-    and the normalizer's statistics, bit for bit."""
+    """cleanba_ppo_continuous.py on a dm_control task (MuJoCo physics, Dict observations): params, losses, curves
+    and the normalizer's statistics, bit for bit. A Box observation's runs (Pendulum-v1) are check_fork's on an
+    untouched copy, a0-l0 against a0-l1,2 and 2 x 4 envs against 1 x 8 (tests/test_check_fork.py)."""
     check_every_layout("ppo_continuous", env_id, tmp_path)
 
 
