@@ -23,6 +23,7 @@ import difflib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,36 @@ def child_env(directory: Path | None = None) -> dict:
     return environment
 
 
+CHILDREN = set()  # the child processes running now: a signal that stops check_fork stops them too
+STOPPED = []  # the signal that stopped check_fork: no child starts after it
+
+
+def run_child(command: list, cwd: Path | None = None, directory: Path | None = None) -> subprocess.CompletedProcess:
+    if STOPPED:
+        return subprocess.CompletedProcess(command, 128 + STOPPED[0], "", "stopped by a signal")
+    process = subprocess.Popen(
+        command, cwd=cwd, env=child_env(directory), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    CHILDREN.add(process)
+    if STOPPED:  # the signal came while this one started
+        process.terminate()
+    try:
+        stdout, stderr = process.communicate()
+    finally:
+        CHILDREN.discard(process)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def stop_children(signum, frame):
+    """SIGTERM or SIGINT: the runs stopped (each saves nothing: no --checkpoint-frequency but the resume's, whose
+    checkpoints are written whole), then exit 128 + the signal's number."""
+    STOPPED.append(signum)
+    for process in list(CHILDREN):
+        process.terminate()
+    print(f"check_fork: stopped by signal {signum}; the runs are stopped", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else "(no output)"
@@ -189,12 +220,7 @@ def network_child(argv: list):
 
 def check_network_contract(fork: Path, flags: list) -> tuple:
     """(passed, line, [], the fork's default --concurrency)."""
-    process = subprocess.run(
-        [sys.executable, "-m", "cleanba.check_fork", "--network-child", str(fork), *flags],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-    )
+    process = run_child([sys.executable, "-m", "cleanba.check_fork", "--network-child", str(fork), *flags])
     if process.returncode == 0:
         contract, concurrency = process.stdout.strip().splitlines()[-2:]
         return True, contract, [], concurrency == "concurrency True"
@@ -225,9 +251,7 @@ def run_fork(fork: Path, run: Run, directory: Path, extra: list = ()) -> Run:
     cwd = directory / run.name
     cwd.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-c", MEMORYLESS_ENVPOOL] if run.memoryless else [sys.executable]
-    run.process = subprocess.run(
-        [*command, str(fork), *run.flags, *extra], cwd=cwd, env=child_env(directory), capture_output=True, text=True
-    )
+    run.process = run_child([*command, str(fork), *run.flags, *extra], cwd=cwd, directory=directory)
     if run.ok():
         run.scalars = logged_values(cwd)
     return run
@@ -352,6 +376,8 @@ def run_checks(fork: Path, wanted: list, runs: dict, directory: Path) -> dict:
 
 
 def main(args: Args, argv: list) -> int:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop_children)
     fork = args.fork.resolve()
     unknown = sorted(set(args.checks) - set(CHECKS))
     if unknown:

@@ -2,9 +2,12 @@
 one whose algorithm breaks layout invariance, one whose sampling breaks the thread split and one with a wrong head
 each fail the check that names it, in one line, and the command exits 1."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import SCRIPTS, script_env
@@ -119,3 +122,34 @@ def test_refuses_a_file_that_is_not_a_fork(tmp_path):
     assert process.returncode == 2 and "has no single '# ======== ENGINE:' line" in process.stderr, process.stderr
     process = check_fork(SCRIPTS["ppo"], tmp_path, "--checks", "engine", "speed")
     assert process.returncode == 2 and "--checks speed: not a check; choose among engine" in process.stderr
+
+
+def test_a_signal_stops_its_runs_too(tmp_path):
+    """SIGTERM to check_fork alone (as a batch system sends it) ends its training runs as well, promptly: none is
+    left training on its own."""
+    fork = fork_of("ppo", tmp_path)
+    command = [sys.executable, "-m", "cleanba.check_fork", str(fork), "--work-dir", str(tmp_path / "work")]
+    command += ["--checks", "layouts", "--", "--total-timesteps", "100000000"]  # runs that would train for hours
+    process = subprocess.Popen(command, cwd=tmp_path, env=script_env(1), stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not list((tmp_path / "work").glob("a0-l*/runs/*/events.out.tfevents*")):  # training has begun
+            assert process.poll() is None and time.time() < deadline, process.communicate()
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+        assert process.returncode == 128 + signal.SIGTERM
+        deadline = time.time() + 60
+        while children(fork) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not children(fork), children(fork)
+    finally:
+        process.kill()
+        for pid in children(fork):
+            os.kill(pid, signal.SIGKILL)
+
+
+def children(fork) -> list:
+    """The processes running the fork."""
+    found = subprocess.run(["pgrep", "-f", str(fork)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if int(pid) != os.getpid()]
