@@ -105,6 +105,11 @@ class Algorithm:
     cores (params, optimizer, heads and losses stay float32; docs/gpu.md); on a CPU it only adds casts"""
     concurrency: bool = True
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
+    lstm: bool = False
+    """an LSTM core between the torso and the heads (the IMPALA paper's agent): each env's state carries over steps
+    and rollouts, restarts at each episode's first obs, and the learner unrolls it over the rollout from its start"""
+    lstm_size: int = flag(256, "[1, inf)")
+    """with --lstm: the width of the LSTM's cell and hidden state (the IMPALA paper's 256)"""
 
 
 def check_algorithm(args: "Args"):
@@ -172,18 +177,59 @@ class ConvSequence(nn.Module):
         return block()(block()(x))
 
 
+class LSTMCore(nn.Module):
+    """An LSTM over time, (T, n, features) -> (T, n, size), from each env's state (n, 2 * size: cell, then hidden),
+    restarting from zeros at the rows where starts (T, n) is true. One cell, its params shared over time (nn.scan)."""
+
+    size: int
+
+    @nn.compact
+    def __call__(self, features, state, starts):
+        def step(cell, carry, inputs):
+            x, start = inputs
+            carry = jnp.where(start[:, None], 0.0, carry)
+            (c, h), y = cell((carry[:, : self.size], carry[:, self.size :]), x)
+            return jnp.concatenate([c, h], axis=1), y
+
+        scan = nn.scan(step, variable_broadcast="params", split_rngs={"params": False})
+        state, outputs = scan(nn.OptimizedLSTMCell(self.size), state, (features, starts))
+        return outputs, state
+
+
 class Agent(nn.Module):
     """Images: IMPALA ResNet torso shared by both heads (Espeholt et al. 2018, fig. 3). Vectors: separate
-    two-layer tanh MLPs for the policy and the value, as in CleanRL's classic-control PPO."""
+    two-layer tanh MLPs for the policy and the value, as in CleanRL's classic-control PPO; with an LSTM core (between
+    the torso and the heads, as in the IMPALA paper), one MLP shared by both heads."""
 
     num_actions: int
     channels: tuple[int, ...]
     hidden_dim: int
     xla_cpu: bool = False  # the network runs on XLA:CPU: conv_and_pool takes cleanba/xla_cpu.py's
     dtype: type = jnp.float32  # the ResNet's (--conv-dtype); the dense layers compute in float32
+    lstm_size: int = 0  # --lstm-size with --lstm; 0: feed-forward
 
     @nn.compact
-    def __call__(self, obs):
+    def __call__(self, obs, state=None, starts=None):
+        """obs (n, ...) -> (logits (n, actions), values (n,)): with an LSTM core, one step from the zero state. With a
+        state, the LSTM's unroll: obs (T, n, ...), state (n, 2 * lstm_size) before row 0, starts (T, n) ->
+        (logits (T, n, actions), values (T, n), the state after row T - 1)."""
+        if self.lstm_size and state is None:
+            logits, values, _ = self.unroll(
+                obs[None], jnp.zeros((len(obs), 2 * self.lstm_size)), jnp.ones((1, len(obs)), bool)
+            )
+            return logits[0], values[0]
+        if self.lstm_size:
+            return self.unroll(obs, state, starts)
+        policy_features, value_features = self.torso(obs)
+        return self.heads(policy_features, value_features)
+
+    def unroll(self, obs, state, starts):
+        features = self.torso(obs.reshape(-1, *obs.shape[2:]))[0]
+        outputs, state = LSTMCore(self.lstm_size)(features.reshape(*obs.shape[:2], -1), state, starts)
+        return *self.heads(outputs, outputs), state
+
+    def torso(self, obs) -> tuple:
+        """(policy features, value features) of a batch of observations."""
         if obs.ndim == 4:  # EnvPool Atari: (batch, stack, height, width) uint8
             x = jnp.transpose(obs, (0, 2, 3, 1)).astype(self.dtype) / 255.0
             for channels in self.channels:
@@ -191,12 +237,15 @@ class Agent(nn.Module):
             x = nn.relu(x.reshape(x.shape[0], -1).astype(jnp.float32))
             # Orthogonal with gain sqrt(2) for the ReLU layer, as the original Cleanba's (and the heads below).
             dense = nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))
-            policy_features = value_features = nn.relu(dense(x))
-        else:
-            policy_features, value_features = self.mlp(obs), self.mlp(obs)
+            return (nn.relu(dense(x)),) * 2
+        if self.lstm_size:
+            return (self.mlp(obs),) * 2
+        return self.mlp(obs), self.mlp(obs)
+
+    def heads(self, policy_features, value_features) -> tuple:
         logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(policy_features)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(value_features)
-        return logits, value[:, 0]
+        return logits, value[..., 0]
 
     def mlp(self, obs):
         x = obs.astype(jnp.float32)
@@ -210,7 +259,25 @@ def make_network(args: "Args", action_space, platform: str | None = None) -> Age
     gpu_compile.py): change this function with Agent's signature. Agent maps observations to (logits (batch,
     actions), values (batch,)). platform: where it runs ("cpu", "gpu", ...; default: JAX's default backend)."""
     xla_cpu = (platform or jax.default_backend()) == "cpu"
-    return Agent(action_space.n, tuple(args.channels), args.hidden_dim, xla_cpu, jnp.dtype(args.conv_dtype).type)
+    lstm_size = args.lstm_size if args.lstm else 0
+    return Agent(
+        action_space.n, tuple(args.channels), args.hidden_dim, xla_cpu, jnp.dtype(args.conv_dtype).type, lstm_size
+    )
+
+
+def recurrent_state_size(args: "Args") -> int:
+    """The width of the recurrent state each env carries (the actor keeps it, a rollout stores it at row 0): the
+    LSTM's cell and hidden; 0 for the feed-forward network."""
+    return 2 * args.lstm_size if args.lstm else 0
+
+
+def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
+    """The actors' and the evaluation's network step: (policy (n, actions), the next recurrent state) of obs (n, ...)
+    with each env's state (n, recurrent_state_size), restarted from zeros where starts (n,) is true."""
+    if not state.shape[-1]:
+        return agent.apply(params, obs)[0], state
+    logits, _, state = agent.apply(params, obs[None], state, starts[None])
+    return logits[0], state
 
 
 def sample_actions(logits, keys):
@@ -238,11 +305,21 @@ def vtrace_targets(values, rewards, terminations, valid, rhos, gamma: float):
     return jax.vmap(vtrace, in_axes=1, out_axes=1)(values[:-1], values[1:], rewards, discounts, rhos)
 
 
+def sequence_outputs(agent: Agent, params, batch: dict) -> tuple:
+    """(logits (T + 1, n, actions), values (T + 1, n)) of a minibatch's sequences. The LSTM unrolls over each env's
+    rollout from its stored state with the current params, restarting where the actor did (the row after EnvPool's
+    auto-reset step, which is invalid, begins an episode): the gradient flows through the whole rollout."""
+    obs = batch["obs"]
+    if batch["recurrent_state"].shape[-1]:
+        starts = jnp.concatenate([jnp.zeros_like(batch["valid"][:1]), 1.0 - batch["valid"]]) > 0
+        return agent.apply(params, obs, batch["recurrent_state"][0], starts)[:2]
+    logits, values = agent.apply(params, obs.reshape(-1, *obs.shape[2:]))
+    return logits.reshape(*obs.shape[:2], -1), values.reshape(obs.shape[:2])
+
+
 def impala_loss(agent: Agent, args: "Args", params, batch: dict, count):
-    obs_shape = batch["obs"].shape[2:]
-    logits, values = agent.apply(params, batch["obs"].reshape(-1, *obs_shape))
-    logits = logits.reshape(*batch["obs"].shape[:2], -1)[:-1]
-    values = values.reshape(batch["obs"].shape[:2])
+    logits, values = sequence_outputs(agent, params, batch)
+    logits = logits[:-1]
     logp = jax.nn.log_softmax(logits)
     newlogprobs = jnp.take_along_axis(logp, batch["actions"][..., None], axis=-1)[..., 0]
     logratio = jax.lax.stop_gradient(newlogprobs) - batch["logprobs"]
@@ -294,6 +371,7 @@ def learn(agent: Agent, args: "Args", shuffle_key, state: TrainState, rollout: "
         rewards=rollout.rewards,
         terminations=rollout.terminations,
         valid=rollout.valid,
+        recurrent_state=rollout.recurrent_state,
     )
     order = jax.random.permutation(jax.random.fold_in(shuffle_key, state.step), args.num_minibatches)
 
@@ -446,6 +524,7 @@ class Rollout(NamedTuple):
     truncations: np.ndarray  # (T, n) time limit: bootstrap from the final obs, stored in the next row
     valid: np.ndarray  # (T, n) False for EnvPool's auto-reset step, whose action is ignored
     env_ids: np.ndarray  # (1, n) global env indices, for layout-invariant shuffling and sums (pad envs: negative)
+    recurrent_state: np.ndarray  # (1, n, state size) each env's at row 0, as restarted there (feed-forward: empty)
 
 
 def rollout_fields(args: Args, spec) -> Rollout:
@@ -462,6 +541,7 @@ def rollout_fields(args: Args, spec) -> Rollout:
         truncations=((T, n), bool),
         valid=((T, n), bool),
         env_ids=((1, n), np.int32),
+        recurrent_state=((1, n, recurrent_state_size(args)), np.float32),
     )
 
 
@@ -482,23 +562,27 @@ class RolloutInfo(NamedTuple):
 
 
 def make_policy(args: Args, agent, action_key):
-    """The actor's jitted policy step: (params, obs, global env ids, step) -> the columns [actions, logprobs]: an
-    action's components, then its log-probability (sample_actions). With
-    --exact the network runs on --group-envs envs at a time, each chunk on its own (optimization barriers), so that an
-    env's logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
+    """The actor's jitted policy step: (params, obs, recurrent state, starts, global env ids, step) -> (the columns
+    [actions, logprobs]: an action's components, then its log-probability (sample_actions); the next recurrent
+    state). starts: the obs begins an episode (policy_step restarts the state). With --exact the network runs on
+    --group-envs envs at a time, each chunk on its own (optimization barriers), so that an env's logits do not depend
+    on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
     chunk = args.group_envs if args.exact else 0
 
     @jax.jit
-    def policy(params, obs, env_ids, step):
-        policy_out = (
-            chunked_apply(lambda o: agent.apply(params, o)[0], obs, chunk) if chunk else agent.apply(params, obs)[0]
+    def policy(params, obs, state, starts, env_ids, step):
+        def network(obs, state, starts):
+            return policy_step(agent, params, obs, state, starts)
+
+        policy_out, state = (
+            chunked_apply(network, (obs, state, starts), chunk) if chunk else network(obs, state, starts)
         )
         # One key per (global env index, step): env n samples the same actions on every device layout.
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
         actions, logprobs = sample_actions(policy_out, keys)
         # One array, so one device-to-host copy per step instead of two (an action index is exact in float32).
         columns = [actions.reshape(actions.shape[0], -1).astype(jnp.float32), logprobs[:, None]]
-        return jnp.concatenate(columns, axis=1)
+        return jnp.concatenate(columns, axis=1), state
 
     return policy
 
@@ -523,6 +607,9 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
         # ignores the action and must not be learned from (cleanrl issue 562). Its elapsed_step is 0 only after a
         # real game over, so the mask follows the done flags of the step before.
         resetting = np.zeros(n, bool)
+        # Each env's recurrent state carries over steps and rollouts on the actor device (empty for a feed-forward
+        # network); it restarts from zeros at each episode's first obs (starts), as the learner's unroll does.
+        state, starts = jax.device_put(np.zeros((n, recurrent_state_size(args)), np.float32), device), np.ones(n, bool)
         for iteration in range(start_iteration, args.num_iterations + 1):
             clock = Stopwatch()
             policy_version, params = queue_get(param_queue, stop)
@@ -530,13 +617,14 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
             clock.lap("param_queue_wait")
             fields = rollout_fields(args, spec)
             storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in fields])._replace(env_ids=env_ids[None])
+            storage.recurrent_state[0] = np.where(starts[:, None], 0.0, np.asarray(state))  # the learner's at row 0
             returns, lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)  # of the games that end, at their end
             for t in range(T):
                 storage.obs[t] = next_obs
                 clock.lap("storage")
                 # The step keys the action sampling: a resumed run continues it (envs restart from a reset, as
                 # EnvPool's state cannot be saved).
-                sampled = policy(params, next_obs, env_ids_on_device, (iteration - 1) * T + t)
+                sampled, state = policy(params, next_obs, state, starts, env_ids_on_device, (iteration - 1) * T + t)
                 clock.lap("inference")  # dispatch only: device_to_host waits for the result (no extra sync)
                 sampled = np.asarray(sampled)
                 actions = sampled[:, :-1].reshape(storage.actions.shape[1:]).astype(storage.actions.dtype)
@@ -550,7 +638,9 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
                 storage.actions[t], storage.logprobs[t], storage.rewards[t] = actions, logprobs, reward
                 storage.terminations[t], storage.truncations[t] = terminated, truncated
                 storage.valid[t] = ~resetting
-                resetting = terminated | truncated
+                # EnvPool's auto-reset step (resetting) ignores its action and returns a new episode's first obs: the
+                # next step starts the recurrent state afresh. The final obs before it keeps the episode's state.
+                starts, resetting = resetting, terminated | truncated
                 # Scores are raw game rewards until the real game over (not a lost life, not clipped). EnvPool's
                 # info["terminated"] is int32: unconverted, it would index envs 0 and 1 instead of masking.
                 game_over = info.get("terminated", terminated).astype(bool) | truncated

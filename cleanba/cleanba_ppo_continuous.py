@@ -193,6 +193,17 @@ def gaussian_logprob(policy, actions):
     return logprob, jnp.sum(log_std + 0.5 * (1 + np.log(2 * np.pi)), axis=-1)
 
 
+def recurrent_state_size(args: "Args") -> int:
+    """The width of the recurrent state each env carries (the actor keeps it, a rollout stores it at row 0): none,
+    the network is feed-forward (cleanba_impala.py's --lstm has one)."""
+    return 0
+
+
+def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
+    """The actors' and the evaluation's network step: (policy (n, width), the recurrent state, here empty)."""
+    return agent.apply(params, obs)[0], state
+
+
 def sample_actions(policy, keys):
     """The actor's sampling: for each env, with its own key, an action from its Gaussian and its log-probability. The
     sampled action is what the rollout stores and PPO learns from (env_actions clips what the env is sent)."""
@@ -527,6 +538,7 @@ class Rollout(NamedTuple):
     truncations: np.ndarray  # (T, n) time limit: bootstrap from the final obs, stored in the next row
     valid: np.ndarray  # (T, n) False for EnvPool's auto-reset step, whose action is ignored
     env_ids: np.ndarray  # (1, n) global env indices, for layout-invariant shuffling and sums (pad envs: negative)
+    recurrent_state: np.ndarray  # (1, n, state size) each env's at row 0, as restarted there (feed-forward: empty)
 
 
 def rollout_fields(args: Args, spec) -> Rollout:
@@ -543,6 +555,7 @@ def rollout_fields(args: Args, spec) -> Rollout:
         truncations=((T, n), bool),
         valid=((T, n), bool),
         env_ids=((1, n), np.int32),
+        recurrent_state=((1, n, recurrent_state_size(args)), np.float32),
     )
 
 
@@ -563,23 +576,27 @@ class RolloutInfo(NamedTuple):
 
 
 def make_policy(args: Args, agent, action_key):
-    """The actor's jitted policy step: (params, obs, global env ids, step) -> the columns [actions, logprobs]: an
-    action's components, then its log-probability (sample_actions). With
-    --exact the network runs on --group-envs envs at a time, each chunk on its own (optimization barriers), so that an
-    env's logits do not depend on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
+    """The actor's jitted policy step: (params, obs, recurrent state, starts, global env ids, step) -> (the columns
+    [actions, logprobs]: an action's components, then its log-probability (sample_actions); the next recurrent
+    state). starts: the obs begins an episode (policy_step restarts the state). With --exact the network runs on
+    --group-envs envs at a time, each chunk on its own (optimization barriers), so that an env's logits do not depend
+    on how many envs its actor thread steps (XLA:CPU's kernels round by batch)."""
     chunk = args.group_envs if args.exact else 0
 
     @jax.jit
-    def policy(params, obs, env_ids, step):
-        policy_out = (
-            chunked_apply(lambda o: agent.apply(params, o)[0], obs, chunk) if chunk else agent.apply(params, obs)[0]
+    def policy(params, obs, state, starts, env_ids, step):
+        def network(obs, state, starts):
+            return policy_step(agent, params, obs, state, starts)
+
+        policy_out, state = (
+            chunked_apply(network, (obs, state, starts), chunk) if chunk else network(obs, state, starts)
         )
         # One key per (global env index, step): env n samples the same actions on every device layout.
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(action_key, i), step))(env_ids)
         actions, logprobs = sample_actions(policy_out, keys)
         # One array, so one device-to-host copy per step instead of two (an action index is exact in float32).
         columns = [actions.reshape(actions.shape[0], -1).astype(jnp.float32), logprobs[:, None]]
-        return jnp.concatenate(columns, axis=1)
+        return jnp.concatenate(columns, axis=1), state
 
     return policy
 
@@ -604,6 +621,9 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
         # ignores the action and must not be learned from (cleanrl issue 562). Its elapsed_step is 0 only after a
         # real game over, so the mask follows the done flags of the step before.
         resetting = np.zeros(n, bool)
+        # Each env's recurrent state carries over steps and rollouts on the actor device (empty for a feed-forward
+        # network); it restarts from zeros at each episode's first obs (starts), as the learner's unroll does.
+        state, starts = jax.device_put(np.zeros((n, recurrent_state_size(args)), np.float32), device), np.ones(n, bool)
         for iteration in range(start_iteration, args.num_iterations + 1):
             clock = Stopwatch()
             policy_version, params = queue_get(param_queue, stop)
@@ -611,13 +631,14 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
             clock.lap("param_queue_wait")
             fields = rollout_fields(args, spec)
             storage = Rollout(*[np.empty(shape, dtype) for shape, dtype in fields])._replace(env_ids=env_ids[None])
+            storage.recurrent_state[0] = np.where(starts[:, None], 0.0, np.asarray(state))  # the learner's at row 0
             returns, lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)  # of the games that end, at their end
             for t in range(T):
                 storage.obs[t] = next_obs
                 clock.lap("storage")
                 # The step keys the action sampling: a resumed run continues it (envs restart from a reset, as
                 # EnvPool's state cannot be saved).
-                sampled = policy(params, next_obs, env_ids_on_device, (iteration - 1) * T + t)
+                sampled, state = policy(params, next_obs, state, starts, env_ids_on_device, (iteration - 1) * T + t)
                 clock.lap("inference")  # dispatch only: device_to_host waits for the result (no extra sync)
                 sampled = np.asarray(sampled)
                 actions = sampled[:, :-1].reshape(storage.actions.shape[1:]).astype(storage.actions.dtype)
@@ -631,7 +652,9 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
                 storage.actions[t], storage.logprobs[t], storage.rewards[t] = actions, logprobs, reward
                 storage.terminations[t], storage.truncations[t] = terminated, truncated
                 storage.valid[t] = ~resetting
-                resetting = terminated | truncated
+                # EnvPool's auto-reset step (resetting) ignores its action and returns a new episode's first obs: the
+                # next step starts the recurrent state afresh. The final obs before it keeps the episode's state.
+                starts, resetting = resetting, terminated | truncated
                 # Scores are raw game rewards until the real game over (not a lost life, not clipped). EnvPool's
                 # info["terminated"] is int32: unconverted, it would index envs 0 and 1 instead of masking.
                 game_over = info.get("terminated", terminated).astype(bool) | truncated

@@ -96,21 +96,23 @@ def episode_quotas(episodes: int, num_envs: int) -> np.ndarray:
 
 
 def make_eval_policy(module, agent, greedy: bool):
-    """(params, obs, key) -> actions: sampled from the policy by the script's own sample_actions (each env with its
-    own key, as its actors sample), or with greedy its most likely action: discrete scripts' networks give logits
-    (greedy: their argmax), Box scripts' a Gaussian's means then log standard deviations (greedy: the means).
-    EnvPool is sent them through the script's env_actions (clipped to a Box)."""
+    """(params, obs, recurrent state, starts, key) -> (actions, the next recurrent state), through the script's
+    policy_step, as its actors step (the state restarts where starts, an episode's first obs): actions sampled by the
+    script's own sample_actions (each env with its own key, as its actors sample), or with greedy its most likely
+    action: discrete scripts' networks give logits (greedy: their argmax), Box scripts' a Gaussian's means then log
+    standard deviations (greedy: the means). EnvPool is sent them through the script's env_actions (clipped to a
+    Box)."""
     import jax
     import jax.numpy as jnp
 
     @jax.jit
-    def act(params, obs, key):
-        policy, _ = agent.apply(params, obs)
+    def act(params, obs, state, starts, key):
+        policy, state = module.policy_step(agent, params, obs, state, starts)
         if not greedy:
-            return module.sample_actions(policy, jax.random.split(key, obs.shape[0]))[0]
+            return module.sample_actions(policy, jax.random.split(key, obs.shape[0]))[0], state
         if module.ACTION_SPACE == "Box":
-            return jnp.split(policy, 2, axis=1)[0]
-        return jnp.argmax(policy, axis=1)
+            return jnp.split(policy, 2, axis=1)[0], state
+        return jnp.argmax(policy, axis=1), state
 
     return act
 
@@ -142,7 +144,10 @@ def check_network(module, train_args, params):
     width, action_shape = int(policy_width(module, spec.action_space)), spaces.action_field(spec.action_space)[0]
     try:
         agent = module.make_network(train_args, spec.action_space)
-        actions = jax.eval_shape(make_eval_policy(module, agent, greedy=False), params, obs, jax.random.key(0))
+        state = jax.ShapeDtypeStruct((2, module.recurrent_state_size(train_args)), np.float32)
+        starts = jax.ShapeDtypeStruct((2,), bool)
+        act = make_eval_policy(module, agent, greedy=False)
+        actions, _ = jax.eval_shape(act, params, obs, state, starts, jax.random.key(0))
         policy, values = jax.eval_shape(agent.apply, params, obs)
     except Exception as error:
         fail(
@@ -203,6 +208,8 @@ def evaluate(
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
     scores, resetting = GameScores(num_envs), np.zeros(num_envs, bool)
+    # A recurrent network's state, per env, restarted at each episode's first obs (starts), as in training.
+    state, starts = np.zeros((num_envs, module.recurrent_state_size(train_args)), np.float32), np.ones(num_envs, bool)
     returns, lengths, videos, frames = [], [], [], []
     try:
         obs, info = envs.reset()
@@ -210,10 +217,8 @@ def evaluate(
             frames.append(envs.render(env_ids=[0])[0])
         while np.any(played < quotas) and not interrupted():
             key, step_key = jax.random.split(key)
-            actions = module.env_actions(
-                np.asarray(act(params, spaces.flat_observations(obs, spec.observation_space), step_key)),
-                spec.action_space,
-            )
+            actions, state = act(params, spaces.flat_observations(obs, spec.observation_space), state, starts, step_key)
+            actions = module.env_actions(np.asarray(actions), spec.action_space)
             obs, reward, terminated, truncated, info = envs.step(actions)
             if recording and played[0] < quotas[0]:
                 # After a game over, the next step is EnvPool's auto-reset: its frame starts the next episode.
@@ -222,7 +227,7 @@ def evaluate(
             # ignore the action and do not count; a lost life is not a game over.
             game_over = info.get("terminated", terminated).astype(bool) | truncated
             ended_returns, ended_lengths = scores.step(info.get("reward", reward), ~resetting, game_over)
-            resetting = terminated | truncated
+            starts, resetting = resetting, terminated | truncated
             for i in np.flatnonzero(game_over):
                 if played[i] < quotas[i]:
                     returns.append(float(ended_returns[i]))

@@ -171,9 +171,12 @@ def compile_actors(module, args, agent, action_key, params, space, local: list) 
         device_params = jax.tree.map(partial(shape_on, place), params)
         obs = jax.ShapeDtypeStruct((args.local_num_envs, *space[0]), space[1], sharding=place)
         env_ids = jax.ShapeDtypeStruct((args.local_num_envs,), np.int32, sharding=place)
+        width = module.recurrent_state_size(args)
+        state = jax.ShapeDtypeStruct((args.local_num_envs, width), np.float32, sharding=place)
+        starts = jax.ShapeDtypeStruct((args.local_num_envs,), bool, sharding=place)
         step = jax.ShapeDtypeStruct((), np.int32, sharding=place)
         start = time.time()
-        analysis = policy.lower(device_params, obs, env_ids, step).compile().memory_analysis()
+        analysis = policy.lower(device_params, obs, state, starts, env_ids, step).compile().memory_analysis()
         actor_seconds += time.time() - start
         # Each actor thread of the device holds its own params copy and runs its own steps.
         actors[i] = {

@@ -173,10 +173,11 @@ def sum_in_key_order(per_group, keys):
 
 
 def split_micro_batches(micro_batches: int, axis: int, x):
-    """A group's (rows, width, ...) field as (micro_batches, ...) parts along axis (0: rows, 1: width)."""
+    """A group's (rows, width, ...) field as (micro_batches, ...) parts along axis (0: rows, 1: width). Sizes are
+    spelled out, not -1: a field may be empty (a feed-forward network's recurrent state)."""
     if axis == 0:
-        return x.reshape(micro_batches, -1, *x.shape[1:])
-    return x.reshape(x.shape[0], micro_batches, -1, *x.shape[2:]).swapaxes(0, 1)
+        return x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:])
+    return x.reshape(x.shape[0], micro_batches, x.shape[1] // micro_batches, *x.shape[2:]).swapaxes(0, 1)
 
 
 def summed_gradients(grad_fn, params, micro_batches: dict, count):
@@ -203,15 +204,20 @@ def make_groups(args, env_ids, env_sets: int, micro_batches_split: str) -> Group
     return Groups(columns, keys, args.exact, args.gradient_accumulation_steps, split_axis)
 
 
-def chunked_apply(fn, x, chunk: int):
-    """fn of x computed `chunk` rows (axis 0) at a time, each chunk on its own (optimization barriers), x padded with
-    zeros to whole chunks. The actor's policy with --exact: an env's logits then do not depend on how many envs its
-    actor thread steps (XLA:CPU's kernels round by batch)."""
-    pad = -x.shape[0] % chunk
-    padded = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)]) if pad else x
+def chunked_apply(fn, args: tuple, chunk: int):
+    """fn(*args) computed `chunk` rows (axis 0 of every argument and output) at a time, each chunk on its own
+    (optimization barriers), the arguments padded with zeros to whole chunks. The actor's policy with --exact: an
+    env's logits (and recurrent state) then do not depend on how many envs its actor thread steps (XLA:CPU's kernels
+    round by batch)."""
+    rows = args[0].shape[0]
+    pad = -rows % chunk
 
-    def chunk_fn(o):
-        return jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(o)))
+    def chunks(x):
+        padded = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)]) if pad else x
+        return padded.reshape((rows + pad) // chunk, chunk, *x.shape[1:])  # not -1: x may be empty
 
-    out = jax.lax.map(chunk_fn, padded.reshape(-1, chunk, *x.shape[1:]))
-    return out.reshape(-1, *out.shape[2:])[: x.shape[0]]
+    def chunk_fn(xs):
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
+
+    out = jax.lax.map(chunk_fn, tuple(chunks(x) for x in args))
+    return jax.tree.map(lambda o: o.reshape(o.shape[0] * o.shape[1], *o.shape[2:])[:rows], out)

@@ -2,7 +2,9 @@
 
 Every script of the family stores an observation as one array. A Box as it is (float64 as float32, the precision JAX
 computes in): images stay images. Anything else becomes one float32 vector: a Dict's parts in the sorted order of
-their keys (nested Dicts likewise), a Discrete as a one-hot vector, a Box or MultiBinary part flattened. The order is
+their keys (nested Dicts likewise), a Discrete as a one-hot vector, a Box or MultiBinary part flattened, a uint8 Box
+part (MiniGrid's grid codes and mission bytes, say) scaled by 1 / 255 into [0, 1], as the ResNet scales frames, so
+that bytes of up to 255 do not saturate an MLP's first layer. The order is
 fixed by the space alone, so it is the same on every layout and in the evaluation. Actions are Discrete
 (cleanba_ppo.py, cleanba_impala.py) or a Box of floats (cleanba_ppo_continuous.py); check_env refuses, in one line,
 an env whose spaces its script does not train.
@@ -35,7 +37,8 @@ def flatten(obs, space) -> np.ndarray:
         return np.concatenate([flatten(obs[key], space.spaces[key]) for key in sorted(space.spaces)], axis=1)
     if kind(space) == "Discrete":
         return np.eye(int(space.n), dtype=np.float32)[np.asarray(obs).astype(np.int64) - int(space.start)]
-    return np.reshape(obs, (len(obs), -1)).astype(np.float32)
+    flat = np.reshape(obs, (len(obs), -1)).astype(np.float32)
+    return flat / np.float32(255) if kind(space) == "Box" and np.dtype(space.dtype) == np.uint8 else flat
 
 
 def observation_field(space) -> tuple:

@@ -34,16 +34,20 @@ def make_args(script, extra: list):
     return args
 
 
-def make_rollout(script, agent, params, seed: int):
+def make_rollout(script, agent, params, seed: int, obs_shape: tuple = OBS_SHAPE, state_size: int = 0):
     """Random frames with the episode structure of test_advantages (terminations, truncations, invalid auto-reset
     steps), rewards in {-1, 0, 1}, and behaviour log-probabilities near the current policy's, so that some ratios
-    (PPO) leave the clip range and some importance weights (IMPALA) are clipped at 1."""
+    (PPO) leave the clip range and some importance weights (IMPALA) are clipped at 1. obs_shape (T, N, ...) float
+    observations where it is not the frame stack; state_size: each env's stored recurrent state, random."""
     rng = np.random.default_rng(seed)
     _, _, terminations, truncations, valid = episode_data(seed, T, N)
-    obs = rng.integers(0, 256, size=(T + 1, N, *OBS_SHAPE), dtype=np.uint8)
+    if obs_shape == OBS_SHAPE:
+        obs = rng.integers(0, 256, size=(T + 1, N, *OBS_SHAPE), dtype=np.uint8)
+    else:
+        obs = rng.normal(0, 1, size=(T + 1, N, *obs_shape)).astype(np.float32)
     rewards = rng.choice(np.array([-1.0, 0.0, 1.0], np.float32), size=(T, N), p=[0.2, 0.5, 0.3])
     rewards[~valid] = 0.0
-    logits, _ = jax.jit(agent.apply)(params, obs[:-1].reshape(T * N, *OBS_SHAPE))  # one compile, not one per op
+    logits = jax.jit(agent.apply)(params, obs[:-1].reshape(T * N, *obs_shape))[0]  # one compile, not one per op
     actions = rng.integers(0, logits.shape[-1], size=(T, N)).astype(np.int32)
     logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), actions.reshape(-1, 1), axis=1).reshape(T, N)
     return script.Rollout(
@@ -55,15 +59,18 @@ def make_rollout(script, agent, params, seed: int):
         truncations=truncations,
         valid=valid,
         env_ids=np.arange(N, dtype=np.int32)[None],
+        recurrent_state=rng.normal(0, 0.5, (1, N, state_size)).astype(np.float32),
     )
 
 
-def script_learner(script, args):
-    """The script's network, shuffle key, initial state and compiled learner update (one learner device)."""
+def script_learner(script, args, observation_space=None):
+    """The script's network, shuffle key, initial state and compiled learner update (one learner device), for
+    observations of observation_space (default: the frame stack)."""
+    observation_space = observation_space or gymnasium.spaces.Box(0, 255, OBS_SHAPE, np.uint8)
     mesh = Mesh(np.array(jax.local_devices()[:1]), ("learner",))
     agent = script.make_network(args, gymnasium.spaces.Discrete(18))
     init_key, shuffle_key = jax.random.split(jax.random.key(7))
-    spec = SimpleNamespace(observation_space=gymnasium.spaces.Box(0, 255, OBS_SHAPE, np.uint8))  # as make_spec gives
+    spec = SimpleNamespace(observation_space=observation_space)  # as make_spec gives
     # replicated over the mesh as the scripts place it: the update's outputs come back so, and the second iteration
     # then finds the first one's program instead of compiling another for other input shardings
     state = jax.device_put(script.initial_state(agent, args, spec, init_key), NamedSharding(mesh, P()))

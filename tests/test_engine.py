@@ -29,6 +29,8 @@ ALGORITHM_NAMES = (
     "MICRO_BATCHES_SPLIT",
     "minibatch_env_sets",
     "make_network",
+    "recurrent_state_size",
+    "policy_step",
     "sample_actions",
     "env_actions",
     "learn",

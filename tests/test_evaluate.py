@@ -162,6 +162,69 @@ def test_cli_plays_the_params_of_the_model(tmp_path):
     assert games[0] != games[1], games
 
 
+def lstm_greedy_games(params, train_args: dict, episodes: int, num_envs: int, seed: int, carry: bool) -> list:
+    """A plain loop playing CartPole greedily with an --lstm model through cleanba_impala.policy_step: each env's
+    recurrent state carried from step to step and restarted from zeros at each game's first obs (carry=False: from
+    zeros at every step); each game's length, in the order games end, each env playing its share."""
+    import envpool
+    import gymnasium
+    import jax
+    import numpy as np
+
+    from cleanba import cleanba_impala as module
+    from cleanba.evaluate import args_of_model
+
+    args = args_of_model(module, train_args)
+    agent = module.make_network(args, gymnasium.spaces.Discrete(2))
+    step = jax.jit(lambda p, o, s, r: module.policy_step(agent, p, o, s, r))
+    envs = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed)
+    obs, _ = envs.reset()
+    state = np.zeros((num_envs, module.recurrent_state_size(args)), np.float32)
+    starts = np.ones(num_envs, bool)
+    quotas = [episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)]
+    played, steps, resetting, games = [0] * num_envs, [0] * num_envs, [False] * num_envs, []
+    while played != quotas:
+        logits, state = step(params, obs.astype(np.float32), state, starts if carry else np.ones(num_envs, bool))
+        obs, _, terminated, truncated, _ = envs.step(np.asarray(np.argmax(logits, axis=1)))
+        starts = np.array(resetting)  # the step after a game over is EnvPool's reset: a new game's first obs next
+        for i in range(num_envs):
+            steps[i] += not resetting[i]
+            resetting[i] = bool(terminated[i] or truncated[i])
+            if resetting[i]:
+                if played[i] < quotas[i]:
+                    games.append(steps[i])
+                    played[i] += 1
+                steps[i] = 0
+    envs.close()
+    return games
+
+
+def test_cli_carries_the_recurrent_state_of_an_lstm_model(tmp_path):
+    """An --lstm model whose policy head reads only the LSTM's hidden state (weights scaled up, zero bias): the
+    CLI's greedy games are, length for length, those of a plain loop carrying each env's state from step to step
+    and restarting it at each game, and not those of the same loop restarting it at every step."""
+    import jax
+    import numpy as np
+
+    from cleanba.checkpoint import load_model, save_model
+
+    _, model = train_and_save("impala", tmp_path, ["--lstm", "--lstm-size", 8, "--eval-episodes", 0])
+    args, params, script = load_model(model)
+    forced = jax.tree.map(np.array, params)  # a copy
+    (head,) = [layer for layer in forced["params"].values() if np.shape(layer.get("bias")) == (2,)]
+    head["kernel"], head["bias"] = 100 * head["kernel"], np.zeros_like(head["bias"])
+    path = tmp_path / "forced.cleanba_model"
+    save_model(path, script, args, forced)
+    command = [*EVALUATE, path, "--episodes", 6, "--num-envs", 2, "--seed", 7, "--greedy"]
+    process = subprocess.run(
+        list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+    )
+    check_ok(process)
+    games = [int(line.rsplit(" ", 1)[1]) for line in process.stdout.splitlines() if line.startswith("episode ")]
+    assert games == lstm_greedy_games(forced, args, 6, 2, seed=7, carry=True), process.stdout
+    assert games != lstm_greedy_games(forced, args, 6, 2, seed=7, carry=False), games
+
+
 def constant_box_games(env_id: str, action, episodes: int, num_envs: int, seed: int, kwargs: dict) -> list:
     """A plain EnvPool loop sending one continuous action always: (length, return) of each game, in the order games
     end, each env playing its share (the step after a game over is EnvPool's reset: not counted)."""

@@ -67,10 +67,20 @@ SIZES = {  # per (script, env): flags, steps per env per iteration
         )
         for env, steps in [("CheetahRun-v1", 64)]
     },
+    # IMPALA's LSTM on the memory task (a Dict observation): 16 steps a rollout, so that episodes end (the step limit
+    # is 245) and the recurrent state restarts within the run.
+    ("impala", "MiniGrid-MemoryS7-v0"): (
+        ["--lstm", "--lstm-size", "16", "--hidden-dim", "16", "--num-steps", "16", "--num-minibatches", "2"],
+        16,
+    ),
 }
 NORMALIZER_CURVES = ["normalizer/return_std", "normalizer/obs_std_mean", "normalizer/obs_count"]
 DEVICES = 4
-COSTLY = ("Breakout-v5", "CheetahRun-v1")  # without a0-l1,2: a0-l1,2,3 splits the learner too, with pad envs
+COSTLY = (
+    "Breakout-v5",
+    "CheetahRun-v1",
+    "MiniGrid-MemoryS7-v0",
+)  # without a0-l1,2: a0-l1,2,3 splits the learner too, with pad envs
 LAYOUTS = {
     "a0-l0": [],
     "a0-l1,2": ["--actor-device-ids", "0", "--learner-device-ids", "1", "2"],
@@ -157,6 +167,13 @@ def test_continuous_bitwise_identical_on_every_layout(env_id, tmp_path):
     check_every_layout("ppo_continuous", env_id, tmp_path)
 
 
+def test_lstm_bitwise_identical_on_every_layout(tmp_path):
+    """cleanba_impala.py --lstm: each env's recurrent state carried by the actor, stored at each rollout's start and
+    unrolled by the learner leaves params, losses and curves the same bit for bit on every layout, thread split and
+    process split (the actor's chunks of --group-envs envs step their states on their own)."""
+    check_every_layout("impala", "MiniGrid-MemoryS7-v0", tmp_path)
+
+
 def check_every_layout(script, env_id, tmp_path):
     for name in [*layouts(env_id), "a0-l0-t1", "d2"]:
         (tmp_path / name).mkdir()
@@ -197,15 +214,21 @@ def check_every_layout(script, env_id, tmp_path):
     assert "bitwise identical" in report.stdout, report.stdout
 
 
-def test_resume_on_another_layout_is_exact(script, tmp_path):
+@pytest.mark.parametrize(
+    ("script", "env_id"),
+    [("ppo", "CartPole-v1"), ("impala", "CartPole-v1"), ("impala", "MiniGrid-MemoryS7-v0")],
+    ids=["ppo", "impala", "impala-lstm"],
+)
+def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
     """A checkpoint resumed on a0-l1,2 trains what it trains resumed on a0-l0, bit for bit: a requeued job may land
-    on another device count (--learner-device-ids may change on resume)."""
+    on another device count (--learner-device-ids may change on resume). With --lstm the actors start every env's
+    recurrent state from zeros at a resume, as the envs restart from a reset."""
     import shutil
     import signal
 
-    iterations = 60
-    args = [*exact_args(script, "CartPole-v1", 2), "--checkpoint-frequency", "1000", "--run-name", "r"]
-    args[args.index("--total-timesteps") + 1] = iterations * 2 * ENVS * SIZES[script, "CartPole-v1"][1]
+    iterations = 60 if env_id == "CartPole-v1" else 24
+    args = [*exact_args(script, env_id, 2), "--checkpoint-frequency", "1000", "--run-name", "r"]
+    args[args.index("--total-timesteps") + 1] = iterations * 2 * ENVS * SIZES[script, env_id][1]
     first = start_script(script, args, tmp_path, devices=DEVICES)
     for line in first.stdout:  # stop once training is under way: SIGTERM checkpoints the last whole iteration
         if line.startswith("step "):

@@ -122,6 +122,23 @@ def test_default_sizes_compile_for_a100_on_every_headline_layout(script, layout)
     assert re.search(r"compute bound .*: [\d,]+ env steps/s", process.stdout), process.stdout
 
 
+def test_lstm_compiles_for_a100():
+    """IMPALA --lstm on Breakout at the defaults, a0-l0: GPU code that fits, whose flops are the ResNet's and the
+    LSTM's (4 gates of 256 over the torso's 256 features and the hidden 256, per observation, T + 1 per env)."""
+    process, rows = gpu_compile("a100-40gb", "impala", [*LAYOUTS["a0-l0"], "--lstm"])
+    check_ok(process)
+    print(process.stdout)
+    assert "compute capability 8.0" in process.stdout, process.stdout
+    assert re.search(r"[1-9]\d* cuDNN convolution calls", process.stdout), process.stdout
+    assert rows == {0: ("actor+learner", rows[0][1], True)}, rows
+    from cleanba import cleanba_impala
+
+    size, steps = cleanba_impala.Args.lstm_size, cleanba_impala.Args.num_steps
+    lstm = 2 * (cleanba_impala.Args.hidden_dim + size) * 4 * size * 3 * (steps + 1) / steps
+    counted = float(re.search(r"([\d.]+) MFLOP per env step", process.stdout)[1]) * 1e6
+    assert 0.9 < counted / (update_flops_per_step("impala") + lstm) < 1.15, process.stdout
+
+
 def mlp_update_flops_per_step(obs: int = 11, actions: int = 3) -> float:
     """The continuous script's update flops per env step at its defaults (Hopper-v4: 11 observations, 3 actions):
     two MLPs of two hidden layers (policy and value), 2 x inputs x outputs per dense layer; a gradient is about 3

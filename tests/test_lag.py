@@ -19,10 +19,16 @@ ITERATIONS, THREADS, ENVS = 4, 2, 4
 
 
 @pytest.mark.parametrize("concurrency", [False, True], ids=["sync", "concurrent"])
-def test_every_actor_thread_plays_the_params_of_its_lag(script, concurrency, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("script", "extra"),
+    [("ppo", []), ("impala", []), ("impala", ["--lstm", "--lstm-size", "8"])],
+    ids=["ppo", "impala", "impala-lstm"],
+)
+def test_every_actor_thread_plays_the_params_of_its_lag(script, extra, concurrency, tmp_path, monkeypatch):
+    """With --lstm too: the recurrent state changes nothing of which params each step is played with."""
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     monkeypatch.chdir(tmp_path)  # the run's runs/ folder
-    flags = [*TINY[script], "--num-actor-threads", str(THREADS), "--local-num-envs", str(ENVS)]
+    flags = [*TINY[script], "--num-actor-threads", str(THREADS), "--local-num-envs", str(ENVS), *extra]
     args = tyro.cli(module.Args, args=[*flags, "--concurrency" if concurrency else "--no-concurrency"])
     steps = args.num_steps
     args.total_timesteps = ITERATIONS * THREADS * ENVS * steps

@@ -44,10 +44,13 @@ def test_memory_figures_do_not_depend_on_llvm_optimizations():
     assert default == unoptimized and default["update_temp_mib"] > 0, (default, unoptimized)
 
 
-@pytest.mark.parametrize("script", ["ppo", "impala"])
-def test_learner_memory_follows_the_minibatch(script):
-    whole = default_memory(script)
-    accumulated = default_memory(script, "--gradient-accumulation-steps", "4")
+@pytest.mark.parametrize(
+    ("script", "extra"), [("ppo", []), ("impala", []), ("impala", ["--lstm"])], ids=["ppo", "impala", "impala-lstm"]
+)
+def test_learner_memory_follows_the_minibatch(script, extra):
+    """With --lstm too: its unroll over each env's sequence keeps the update's memory that of one minibatch step."""
+    whole = default_memory(script, *extra)
+    accumulated = default_memory(script, *extra, "--gradient-accumulation-steps", "4")
     print(script, whole, accumulated)
     # The whole update (PPO: value pass over the rollout, 16 minibatch steps) needs little more than one step.
     assert whole["update_temp_mib"] <= 1.25 * whole["minibatch_step_temp_mib"], whole
@@ -58,7 +61,7 @@ def test_learner_memory_follows_the_minibatch(script):
     assert (whole["update_temp_mib"] + whole["update_argument_mib"]) / 1024 < 0.6 * 40e9 / GIB, whole
     # --exact computes the groups of --group-envs envs one after the other, so it needs a fraction of the whole
     # minibatch's memory.
-    exact = default_memory(script, "--exact", minibatch_step=False)
+    exact = default_memory(script, *extra, "--exact", minibatch_step=False)
     print(script, "exact", exact)
     assert exact["update_temp_mib"] < 0.5 * whole["update_temp_mib"], (exact, whole)
 

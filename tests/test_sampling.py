@@ -28,12 +28,13 @@ make_policy = module.make_policy
 def recording_make_policy(args, agent, action_key):
     policy = make_policy(args, agent, action_key)
 
-    def recorded(params, obs, env_ids, step):
-        columns = policy(params, obs, env_ids, step)
+    def recorded(params, obs, state, starts, env_ids, step):
+        columns, next_state = policy(params, obs, state, starts, env_ids, step)
         # each env's step again, as a thread stepping that env alone would take it
-        alone = [np.asarray(policy(params, obs[i : i + 1], env_ids[i : i + 1], step))[0] for i in range(len(obs))]
+        one = [(obs[i : i + 1], state[i : i + 1], starts[i : i + 1], env_ids[i : i + 1]) for i in range(len(obs))]
+        alone = [np.asarray(policy(params, *inputs, step)[0])[0] for inputs in one]
         calls.append((np.asarray(env_ids), int(step), np.asarray(columns), np.stack(alone)))
-        return columns
+        return columns, next_state
 
     return recorded
 
