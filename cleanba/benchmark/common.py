@@ -37,6 +37,7 @@ SCRIPT_FUNCTIONS = (
     "learner_blocks",
     "update_minibatch",
     "rollout_fields",
+    "recurrent_state_size",
     "learner_shapes",
 )
 

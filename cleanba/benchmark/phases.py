@@ -215,6 +215,7 @@ def synthetic_rollout(module, args, spec, actor_id: int, rng: np.random.Generato
         truncations=rng.random((T, n)) < 0.001,
         valid=np.ones((T, n), bool),
         env_ids=np.arange(first_env, first_env + n, dtype=np.int32)[None],
+        recurrent_state=rng.normal(0, 0.5, (1, n, module.recurrent_state_size(args))).astype(np.float32),
     )
 
 
