@@ -70,6 +70,7 @@ def test_normalizer_is_gyms_arithmetic_over_every_env(tmp_path):
             zeros,
             valid,
             np.arange(N, dtype=np.int32)[None],
+            np.zeros((1, N, 0), np.float32),  # no recurrent state
         )
         scaled, normalizer = step(normalizer, rollout)
         # The plain loop: each env's discounted return, restarted at an invalid (auto-reset) step.
