@@ -259,7 +259,7 @@ LEARNED = {  # every other flag: what is learned
         *["concurrency", "gradient_accumulation_steps", "exact", "group_envs"],
     ],
     "ppo": ["gae_lambda", "update_epochs", "norm_adv", "clip_coef"],
-    "impala": ["rmsprop_decay", "rmsprop_eps"],
+    "impala": ["rmsprop_decay", "rmsprop_eps", "lstm", "lstm_size"],
 }
 
 
