@@ -107,18 +107,21 @@ def test_cli_plays_a_checkpoint_as_the_model_of_its_iteration(tmp_path):
     assert refused.returncode != 0 and "--upload-model uploads a .cleanba_model" in refused.stderr
 
 
-def constant_action_games(action: int, episodes: int, num_envs: int, seed: int) -> list:
-    """A plain EnvPool loop playing CartPole with one action always: each game's length, in the order games end,
-    each env playing its share of the episodes (the step after a game over is EnvPool's reset: not counted)."""
+def cartpole_games(choose, episodes: int, num_envs: int, seed: int) -> list:
+    """A plain EnvPool loop playing CartPole with choose(obs, starts) -> actions (starts: the obs begins a game):
+    each game's length, in the order games end, each env playing its share of the episodes (the step after a game
+    over is EnvPool's reset: not counted, and the next obs begins a game)."""
     import envpool
     import numpy as np
 
     envs = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed)
-    envs.reset()
+    obs, _ = envs.reset()
+    starts = np.ones(num_envs, bool)
     quotas = [episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)]
     played, steps, resetting, games = [0] * num_envs, [0] * num_envs, [False] * num_envs, []
     while played != quotas:
-        _, _, terminated, truncated, _ = envs.step(np.full(num_envs, action))
+        obs, _, terminated, truncated, _ = envs.step(choose(obs, starts))
+        starts = np.array(resetting)
         for i in range(num_envs):
             steps[i] += not resetting[i]
             resetting[i] = bool(terminated[i] or truncated[i])
@@ -129,6 +132,13 @@ def constant_action_games(action: int, episodes: int, num_envs: int, seed: int) 
                 steps[i] = 0
     envs.close()
     return games
+
+
+def constant_action_games(action: int, episodes: int, num_envs: int, seed: int) -> list:
+    """cartpole_games with one action always."""
+    import numpy as np
+
+    return cartpole_games(lambda obs, starts: np.full(num_envs, action), episodes, num_envs, seed)
 
 
 def test_cli_plays_the_params_of_the_model(tmp_path):
@@ -166,7 +176,6 @@ def lstm_greedy_games(params, train_args: dict, episodes: int, num_envs: int, se
     """A plain loop playing CartPole greedily with an --lstm model through cleanba_impala.policy_step: each env's
     recurrent state carried from step to step and restarted from zeros at each game's first obs (carry=False: from
     zeros at every step); each game's length, in the order games end, each env playing its share."""
-    import envpool
     import gymnasium
     import jax
     import numpy as np
@@ -177,26 +186,13 @@ def lstm_greedy_games(params, train_args: dict, episodes: int, num_envs: int, se
     args = args_of_model(module, train_args)
     agent = module.make_network(args, gymnasium.spaces.Discrete(2))
     step = jax.jit(lambda p, o, s, r: module.policy_step(agent, p, o, s, r))
-    envs = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed)
-    obs, _ = envs.reset()
-    state = np.zeros((num_envs, module.recurrent_state_size(args)), np.float32)
-    starts = np.ones(num_envs, bool)
-    quotas = [episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)]
-    played, steps, resetting, games = [0] * num_envs, [0] * num_envs, [False] * num_envs, []
-    while played != quotas:
-        logits, state = step(params, obs.astype(np.float32), state, starts if carry else np.ones(num_envs, bool))
-        obs, _, terminated, truncated, _ = envs.step(np.asarray(np.argmax(logits, axis=1)))
-        starts = np.array(resetting)  # the step after a game over is EnvPool's reset: a new game's first obs next
-        for i in range(num_envs):
-            steps[i] += not resetting[i]
-            resetting[i] = bool(terminated[i] or truncated[i])
-            if resetting[i]:
-                if played[i] < quotas[i]:
-                    games.append(steps[i])
-                    played[i] += 1
-                steps[i] = 0
-    envs.close()
-    return games
+    state = [np.zeros((num_envs, module.recurrent_state_size(args)), np.float32)]
+
+    def choose(obs, starts):
+        logits, state[0] = step(params, obs.astype(np.float32), state[0], starts if carry else np.ones_like(starts))
+        return np.asarray(np.argmax(logits, axis=1))
+
+    return cartpole_games(choose, episodes, num_envs, seed)
 
 
 def test_cli_carries_the_recurrent_state_of_an_lstm_model(tmp_path):
