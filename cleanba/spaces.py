@@ -3,9 +3,11 @@
 Every script of the family stores an observation as one array. A Box as it is (float64 as float32, the precision JAX
 computes in): images stay images. Anything else becomes one float32 vector: a Dict's parts in the sorted order of
 their keys (nested Dicts likewise), a Discrete as a one-hot vector, a Box or MultiBinary part flattened, a uint8 Box
-part (MiniGrid's grid codes and mission bytes, say) scaled by 1 / 255 into [0, 1], as the ResNet scales frames, so
-that bytes of up to 255 do not saturate an MLP's first layer. The order is
-fixed by the space alone, so it is the same on every layout and in the evaluation. Actions are Discrete
+part (MiniGrid's mission bytes, say) scaled by 1 / 255 into [0, 1], as the ResNet scales frames, so that bytes of up
+to 255 do not saturate an MLP's first layer. MiniGrid's image is the exception: each of its cells holds three codes
+(object type, colour, state), one-hot, as minigrid's OneHotPartialObsWrapper has them, since scaled bytes would put a
+key (5) and a ball (6) 0.004 apart in one input. The order is fixed by the space alone, so it is the same on every
+layout and in the evaluation. Actions are Discrete
 (cleanba_ppo.py, cleanba_impala.py) or a Box of floats (cleanba_ppo_continuous.py); check_env refuses, in one line,
 an env whose spaces its script does not train.
 """
@@ -19,26 +21,48 @@ from cleanba.flags import fail
 # The scripts that train each kind of action space, named in the refusal of an env of another kind.
 SCRIPTS_FOR_ACTIONS = {"Discrete": "cleanba_ppo.py or cleanba_impala.py", "Box": "cleanba_ppo_continuous.py"}
 VECTOR_PARTS = ("Box", "Discrete", "MultiBinary")  # what a flattened observation is made of
+# EnvPool's MiniGrid observation: its image's cells hold minigrid's codes of an object type (11), colour (6), state (3).
+MINIGRID_KEYS, MINIGRID_CODES = {"direction", "image", "mission"}, (11, 6, 3)
 
 
 def kind(space) -> str:
     return type(space).__name__
 
 
+def cell_codes(space, key: str):
+    """How many values each code of a cell takes, for the Dict part that holds MiniGrid's image; None for any other."""
+    return MINIGRID_CODES if key == "image" and set(space.spaces) == MINIGRID_KEYS else None
+
+
 def flat_size(space) -> int:
     if kind(space) == "Dict":
-        return sum(flat_size(part) for part in space.spaces.values())
+        return sum(part_size(space, key) for key in space.spaces)
     return int(space.n) if kind(space) == "Discrete" else math.prod(space.shape)
+
+
+def part_size(space, key: str) -> int:
+    codes = cell_codes(space, key)
+    return math.prod(space.spaces[key].shape[:-1]) * sum(codes) if codes else flat_size(space.spaces[key])
 
 
 def flatten(obs, space) -> np.ndarray:
     """(n, flat_size(space)) float32 of a batch of n observations of space."""
     if kind(space) == "Dict":
-        return np.concatenate([flatten(obs[key], space.spaces[key]) for key in sorted(space.spaces)], axis=1)
+        return np.concatenate([flat_part(obs[key], space, key) for key in sorted(space.spaces)], axis=1)
     if kind(space) == "Discrete":
         return np.eye(int(space.n), dtype=np.float32)[np.asarray(obs).astype(np.int64) - int(space.start)]
     flat = np.reshape(obs, (len(obs), -1)).astype(np.float32)
     return flat / np.float32(255) if kind(space) == "Box" and np.dtype(space.dtype) == np.uint8 else flat
+
+
+def flat_part(obs, space, key: str) -> np.ndarray:
+    """A Dict's part flattened; MiniGrid's image each cell's codes one-hot, side by side."""
+    codes = cell_codes(space, key)
+    if not codes:
+        return flatten(obs, space.spaces[key])
+    obs = np.asarray(obs).astype(np.int64)
+    hot = [np.eye(size, dtype=np.float32)[obs[..., channel]] for channel, size in enumerate(codes)]
+    return np.concatenate(hot, axis=-1).reshape(len(obs), -1)
 
 
 def observation_field(space) -> tuple:

@@ -13,6 +13,7 @@ import sys
 
 import envpool
 import envpool.entry
+import numpy as np
 import pytest
 from conftest import ROOT, check_ok, run_script, script_env
 
@@ -85,3 +86,26 @@ def test_each_kind_of_space_trains(case, tmp_path):
     process = run_script(script, ["--env-id", env_id, *flags], tmp_path, timeout=600)
     check_ok(process)
     assert "final params sha256" in process.stdout and process.stdout.count("step ") == 3, process.stdout
+
+
+def test_minigrid_cells_reach_the_network_one_hot():
+    """MiniGrid's image holds three codes per cell (object type, colour, state): the flattened observation has each
+    cell's codes one-hot, side by side (11 + 6 + 3 inputs a cell), so that a key (code 5) and a ball (code 6) are two
+    inputs, not two scaled bytes 0.004 apart; the direction one-hot before it and the mission bytes scaled after it,
+    in sorted key order. Against a plain loop over the envs and cells of real MiniGrid-MemoryS7-v0 observations."""
+    from cleanba import spaces
+
+    envs = envpool.make_gymnasium("MiniGrid-MemoryS7-v0", num_envs=8, seed=3)
+    space, (obs, _) = envs.observation_space, envs.reset()
+    observations = [obs] + [envs.step(np.full(8, step % 3))[0] for step in range(6)]
+    for obs in observations:
+        flat = spaces.flatten(obs, space)
+        assert flat.shape == (8, spaces.flat_size(space)) == (8, 4 + 7 * 7 * 20 + 96) and flat.dtype == np.float32
+        for env in range(8):
+            expected = [np.eye(4)[obs["direction"][env]]]
+            for cell in obs["image"][env].reshape(-1, 3):
+                expected += [np.eye(11)[cell[0]], np.eye(6)[cell[1]], np.eye(3)[cell[2]]]
+            expected.append(obs["mission"][env] / 255)
+            np.testing.assert_array_equal(flat[env], np.concatenate(expected).astype(np.float32))
+    cells = np.concatenate([o["image"].reshape(-1, 3) for o in observations])
+    assert {5, 6} <= set(cells[:, 0])  # the start room's object and the two at the split: keys and balls seen
