@@ -231,13 +231,13 @@ LEARNING_TINY = ["--channels", "4", "--hidden-dim", "16", "--num-steps", "8", "-
 LEARNING_TINY += ["--local-num-envs", "4", "--num-actor-threads", "1", "--log-frequency", "1", "--eval-episodes", "1"]
 
 
-@pytest.mark.parametrize("limit", [600, 25], ids=["to the end", "stopped at the limit"])
-def test_learning_mode_brings_back_the_run_and_its_score(limit, tmp_path):
-    """`bash benchmark.sh learning OUTDIR`: the run's event files, model or checkpoint, log and score table land in
-    OUTDIR. A run past LIMIT seconds is SIGTERMed, checkpoints and still leaves its curve and score: what a time-boxed
-    GPU call brings back."""
-    steps = 4 * 8 * 120 if limit == 600 else 4 * 8 * 10**6  # 120 iterations, or more than fit in the limit
-    env = script_env(1, {"LIMIT": str(limit), "STEPS": str(steps), "PYTHONPATH": str(ROOT)})
+def test_learning_mode_brings_back_the_run_and_its_score(tmp_path):
+    """`bash benchmark.sh learning OUTDIR`: the run's event files, checkpoint, log and score table land in OUTDIR. A run
+    past LIMIT seconds (here 25, a run of more steps than fit) is SIGTERMed, checkpoints and still leaves its curve
+    and score: what a time-boxed GPU call brings back. (A run that ends within the limit saves its model and
+    evaluates it: the scripts' own --save-model, tests/test_evaluate.py.)"""
+    limit = 25
+    env = script_env(1, {"LIMIT": str(limit), "STEPS": str(4 * 8 * 10**6), "PYTHONPATH": str(ROOT)})
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # `python` is this environment's
     out = tmp_path / "out"
     process = subprocess.run(
@@ -251,12 +251,8 @@ def test_learning_mode_brings_back_the_run_and_its_score(limit, tmp_path):
     log = (out / "train.log").read_text()
     run = out / "runs" / "learning"
     assert list(run.glob("events.out.tfevents*")), log
-    if limit == 600:
-        assert "training exit status 0" in log and "final params sha256" in log, log
-        assert (run / "cleanba_impala.cleanba_model").exists() and "evaluation: 1 episodes" in log, log
-    else:
-        assert "training exit status 124" in log and "stopped by signal 15" in log, log
-        assert (run / "checkpoint.msgpack").exists() and "checkpoint of iteration" in log, log
+    assert "training exit status 124" in log and "stopped by signal 15" in log, log
+    assert (run / "checkpoint.msgpack").exists() and "checkpoint of iteration" in log, log
     scores = (out / "report" / "scores.csv").read_text().splitlines()
     assert scores[0].startswith("variant,env_id,seed,final_step,score") and len(scores) == 2, scores
     assert scores[1].startswith("cleanba_impala,Breakout-v5,1,"), scores

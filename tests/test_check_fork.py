@@ -14,7 +14,8 @@ from conftest import SCRIPTS, script_env
 
 from cleanba.check_fork import CHECKS
 
-pytestmark = pytest.mark.xla_default  # the bits users get: check_fork's runs are the user's command's
+# check_fork's runs compile with LLVM's optimizations off here (conftest.py), as the tests of what a run does: what is
+# tested is the tool's checks; the bits users get on every layout are tests/test_exact.py's.
 
 
 def check_fork(fork, tmp_path, *flags) -> subprocess.CompletedProcess:

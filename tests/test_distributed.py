@@ -7,6 +7,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from conftest import (
     FAULTY_ENVPOOL,
     LOSS_TAGS,
@@ -63,6 +64,8 @@ def check_pair(script, tmp_path, processes, total):
     return logged
 
 
+# --exact's d2 runs compare both scripts' processes bit for bit (tests/test_exact.py)
+@pytest.mark.parametrize("script", ["impala"])
 def test_two_processes_match_one(script, tmp_path):
     """d2 with k envs per process: both ranks finish with identical params, only rank 0 logs, and the logged
     losses equal those of d1 with 2k envs (layout invariance across processes)."""
@@ -78,6 +81,8 @@ def test_two_processes_match_one(script, tmp_path):
     np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-6)
 
 
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["ppo"])
 def test_slurm_variables_autodetected(script, tmp_path):
     """The pair started as srun would start it: jax.distributed.initialize() finds rank and size itself."""
     args, total = tiny_args(script, LOCAL_NUM_ENVS)

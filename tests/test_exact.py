@@ -1,10 +1,12 @@
 """--exact: the same seed and global sizes train bitwise the same params on every learner layout.
 
-Each case runs 2 actor threads' worth of envs (2 x 4) on a0-l0, a0-l1,2 and a0-l1,2,3 in one process, as one
-thread of 8 envs, and as two processes of one thread of 4 each (d2), and compares, iteration by iteration, the
-params checksum, the losses and the episode curves, and the final params sha256 of every run. Breakout and
-CheetahRun, whose runs cost the most, leave out a0-l1,2: a0-l1,2,3 splits their envs over learner devices too, with
-masked pad envs.
+Each case runs 8 envs three ways and compares, iteration by iteration, the params checksum, the losses and the
+episode curves, and the final params sha256 of every run: on a0-l0 as 2 actor threads of 4 envs (the reference); on
+a0-l1,2,3 as one thread of 8 envs (the learner split over 3 devices, with masked pad envs, and another split of the
+envs over actor threads: either one, broken, changes the bits); and as two processes of one thread of 4 each on
+a0-l1 (d2). The learner on 2 devices without pads (a0-l1,2) is check_fork's layouts check on an untouched copy of
+each script (tests/test_check_fork.py), and the resume below. The conv network is IMPALA's on Breakout; PPO's
+learner is checked on CartPole (both scripts hold the same ResNet code).
 
 Every process has the same 4 forced host devices, whatever devices its layout uses: XLA:CPU sizes its thread pool
 from the device count (on a 2-core machine, 1 to 3 devices gave one set of bits and 4 or 8 another for the same
@@ -76,20 +78,13 @@ SIZES = {  # per (script, env): flags, steps per env per iteration
 }
 NORMALIZER_CURVES = ["normalizer/return_std", "normalizer/obs_std_mean", "normalizer/obs_count"]
 DEVICES = 4
-COSTLY = (
-    "Breakout-v5",
-    "CheetahRun-v1",
-    "MiniGrid-MemoryS7-v0",
-)  # without a0-l1,2: a0-l1,2,3 splits the learner too, with pad envs
 LAYOUTS = {
     "a0-l0": [],
     "a0-l1,2": ["--actor-device-ids", "0", "--learner-device-ids", "1", "2"],
     "a0-l1,2,3": ["--actor-device-ids", "0", "--learner-device-ids", "1", "2", "3"],
 }
-
-
-def layouts(env_id: str) -> dict:
-    return {name: flags for name, flags in LAYOUTS.items() if env_id not in COSTLY or name != "a0-l1,2"}
+# name: (learner layout, actor threads of the run's 2 x ENVS envs)
+RUNS = {"a0-l0": ("a0-l0", 2), "a0-l1,2,3-t1": ("a0-l1,2,3", 1)}
 
 
 def exact_args(script, env_id, threads, envs=ENVS):
@@ -126,14 +121,12 @@ def final_digests(output: str) -> list:
 
 
 def layout_runs(script, env_id, tmp_path) -> dict:
-    """{layout: (curves, final digests)} of the layouts: 2 actor threads of ENVS envs on each of LAYOUTS; one thread
-    of 2 x ENVS envs (the d1 run a user compares a d2 run with); two processes of one thread of ENVS envs (d2)."""
+    """{run: (curves, final digests)} of the RUNS (on a0-l0, 2 actor threads of ENVS envs; on a0-l1,2,3, one thread of
+    2 x ENVS envs) and of two processes of one thread of ENVS envs each (d2)."""
     runs = {}
-    one_thread = {"a0-l0-t1": ["--local-num-envs", 2 * ENVS, "--num-actor-threads", 1]}
-    for name, flags in {**layouts(env_id), **one_thread}.items():
-        process = run_script(
-            script, [*exact_args(script, env_id, 2), *flags], tmp_path / name, devices=DEVICES, timeout=600
-        )
+    for name, (layout, threads) in RUNS.items():
+        args = [*exact_args(script, env_id, threads, envs=2 * ENVS // threads), *LAYOUTS[layout]]
+        process = run_script(script, args, tmp_path / name, devices=DEVICES, timeout=600)
         check_ok(process)
         # What XLA is told: deterministic GPU kernels (a flag XLA:CPU also parses, or it would abort at start), and
         # the default optimizations, as users run (tests not marked xla_default turn LLVM's off: conftest.py).
@@ -154,7 +147,9 @@ def layout_runs(script, env_id, tmp_path) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("env_id", ["CartPole-v1", "Breakout-v5"])
+@pytest.mark.parametrize(
+    ("script", "env_id"), [("ppo", "CartPole-v1"), ("impala", "CartPole-v1"), ("impala", "Breakout-v5")]
+)
 def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
     check_every_layout(script, env_id, tmp_path)
 
@@ -175,10 +170,10 @@ def test_lstm_bitwise_identical_on_every_layout(tmp_path):
 
 
 def check_every_layout(script, env_id, tmp_path):
-    for name in [*layouts(env_id), "a0-l0-t1", "d2"]:
+    for name in [*RUNS, "d2"]:
         (tmp_path / name).mkdir()
     runs = layout_runs(script, env_id, tmp_path)
-    assert len(runs) == len(layouts(env_id)) + 2, runs.keys()
+    assert len(runs) == len(RUNS) + 1, runs.keys()
     reference, (digest,) = runs.pop("a0-l0")
     checksums = reference["stats/params_checksum"]
     assert len(checksums) == ITERATIONS and len(set(checksums)) == ITERATIONS  # the params changed every time
@@ -216,13 +211,14 @@ def check_every_layout(script, env_id, tmp_path):
 
 @pytest.mark.parametrize(
     ("script", "env_id"),
-    [("ppo", "CartPole-v1"), ("impala", "CartPole-v1"), ("impala", "MiniGrid-MemoryS7-v0")],
-    ids=["ppo", "impala", "impala-lstm"],
+    [("ppo", "CartPole-v1"), ("impala", "MiniGrid-MemoryS7-v0")],
+    ids=["ppo", "impala-lstm"],
 )
 def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
     """A checkpoint resumed on a0-l1,2 trains what it trains resumed on a0-l0, bit for bit: a requeued job may land
     on another device count (--learner-device-ids may change on resume). With --lstm the actors start every env's
-    recurrent state from zeros at a resume, as the envs restart from a reset."""
+    recurrent state from zeros at a resume, as the envs restart from a reset. The resume is the engine's, the same
+    in every script (tests/test_engine.py): PPO's runs check it, IMPALA's with --lstm the recurrent state besides."""
     import shutil
     import signal
 

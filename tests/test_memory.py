@@ -44,11 +44,10 @@ def test_memory_figures_do_not_depend_on_llvm_optimizations():
     assert default == unoptimized and default["update_temp_mib"] > 0, (default, unoptimized)
 
 
-@pytest.mark.parametrize(
-    ("script", "extra"), [("ppo", []), ("impala", []), ("impala", ["--lstm"])], ids=["ppo", "impala", "impala-lstm"]
-)
+@pytest.mark.parametrize(("script", "extra"), [("ppo", []), ("impala", ["--lstm"])], ids=["ppo", "impala-lstm"])
 def test_learner_memory_follows_the_minibatch(script, extra):
-    """With --lstm too: its unroll over each env's sequence keeps the update's memory that of one minibatch step."""
+    """IMPALA's with --lstm: its minibatches, micro-batches and --exact groups are those of the feed-forward update
+    (the same code), and its unroll over each env's sequence keeps the update's memory that of one minibatch step."""
     whole = default_memory(script, *extra)
     accumulated = default_memory(script, *extra, "--gradient-accumulation-steps", "4")
     print(script, whole, accumulated)

@@ -65,6 +65,8 @@ def load_checkpoint_file(path):
     return payload
 
 
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["impala"])
 def test_actor_fault_ends_the_run(script, tmp_path):
     start_time = time.time()
     command = [sys.executable, "-c", FAULTY_ENVPOOL, str(SCRIPTS[script]), *map(str, long_args(script))]
@@ -78,7 +80,10 @@ def test_actor_fault_ends_the_run(script, tmp_path):
     assert time.time() - start_time < 60
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+# the engine's signal handling: each signal on one script
+@pytest.mark.parametrize(
+    ("script", "signum"), [("ppo", signal.SIGINT), ("impala", signal.SIGTERM)], ids=["ppo-SIGINT", "impala-SIGTERM"]
+)
 def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
     process = start_script(
         script, [*long_args(script), "--checkpoint-frequency", 10_000, "--run-name", "sig"], tmp_path
@@ -92,8 +97,11 @@ def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
     assert not list((tmp_path / "runs" / "sig").glob("*.tmp"))
 
 
-@pytest.mark.parametrize("receivers", [(0, 1), (0,)], ids=["both ranks", "rank 0 only"])
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("signum", "receivers"),
+    [(signal.SIGINT, (0, 1)), (signal.SIGTERM, (0,))],
+    ids=["SIGINT-both ranks", "SIGTERM-rank 0 only"],
+)
 def test_distributed_signal_stops_all_ranks_at_one_iteration(signum, receivers, tmp_path):
     """Under jax.distributed, signals go through JAX's preemption sync point: all ranks stop after the same
     iteration, also those that got no signal, and rank 0 saves the checkpoint."""
@@ -164,6 +172,8 @@ def test_kill_during_checkpointing_leaves_a_readable_checkpoint(tmp_path):
         path.unlink()
 
 
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["ppo"])
 def test_resume_continues_the_run(script, tmp_path):
     module = importlib.import_module(f"cleanba.cleanba_{script}")
     iterations = 120
@@ -310,11 +320,12 @@ def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_pa
                 checkpoint.load_checkpoint(path, asdict(other), state, MAY_CHANGE_ON_RESUME)
 
 
-# Both lag settings, each resumed one of the two ways (the way does not change what follows the resume).
+# Both lag settings, each resumed one of the two ways (the way does not change what follows the resume), each on
+# one script (the engine's resume is the same in every script: tests/test_engine.py).
 @pytest.mark.parametrize(
-    ("concurrency", "how", "env"),
-    [("--concurrency", ["--resume"], None), ("--no-concurrency", [], {"SLURM_RESTART_COUNT": "1"})],
-    ids=["concurrency, --resume", "no concurrency, SLURM requeue"],
+    ("script", "concurrency", "how", "env"),
+    [("ppo", "--concurrency", ["--resume"], None), ("impala", "--no-concurrency", [], {"SLURM_RESTART_COUNT": "1"})],
+    ids=["ppo-concurrency, --resume", "impala-no concurrency, SLURM requeue"],
 )
 def test_resuming_a_finished_run_ends_at_once(script, concurrency, how, env, tmp_path):
     """A checkpoint of the last iteration (saved on schedule, or by a stop during that iteration), resumed by --resume
@@ -332,6 +343,8 @@ def test_resuming_a_finished_run_ends_at_once(script, concurrency, how, env, tmp
     assert "nothing to train" in resumed.stdout and final in resumed.stdout, resumed.stdout
 
 
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["impala"])
 def test_signal_after_the_last_iteration_leaves_its_checkpoint(script, tmp_path):
     """SIGTERM while the trained model is evaluated, after the last iteration (5, no multiple of the checkpoint
     frequency 3): exit 143 with the checkpoint of iteration 5, so that the requeue that follows ends at once with the

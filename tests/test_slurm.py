@@ -76,7 +76,8 @@ def cluster(tmp_path_factory):
     cluster.stop()
 
 
-@pytest.mark.parametrize("script", ["ppo", "impala"])
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["ppo"])
 def test_two_task_job_on_real_slurm(cluster, script, tmp_path):
     """Each task uses ids 0 to 3 of its 4 forced devices (a0-l1,2,3-d2), as a GPU job with --gpus-per-task 4 would:
     srun's SLURM_LOCALID must not hide the others (jax.distributed.initialize's default)."""

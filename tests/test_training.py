@@ -28,6 +28,9 @@ LAYOUTS = {
     "a0-l0-2threads": ([], 1, 4, 2),
     "a0,1-l1,2": (["--actor-device-ids", "0", "1", "--learner-device-ids", "1", "2"], 3, 4, 1),
 }
+# The layouts are the engine's (the same in every script: tests/test_engine.py): PPO runs each, IMPALA the plainest
+# and the one with every part split (IMPALA's learner on split layouts bit for bit: tests/test_exact.py).
+SCRIPT_LAYOUTS = {"ppo": list(LAYOUTS), "impala": ["a0-l0", "a0,1-l1,2"]}
 ITERATIONS = 6
 _layout_runs = {}
 
@@ -70,7 +73,7 @@ def layout_run(script, layout, concurrency, tmp_path_factory):
 
 
 @pytest.mark.parametrize("concurrency", [False, True], ids=["sync", "concurrent"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("script", "layout"), [(s, layout) for s, names in SCRIPT_LAYOUTS.items() for layout in names])
 def test_layout_trains_and_logs(script, layout, concurrency, tmp_path_factory):
     logged, total = layout_run(script, layout, concurrency, tmp_path_factory)
     assert total == ITERATIONS * 8 * (16 if script == "ppo" else 8)
@@ -107,7 +110,7 @@ def test_layout_invariance(script, concurrency, tmp_path_factory):
     """Same seed and global sizes on every layout: the same losses, iteration by iteration."""
     reference = first_losses(layout_run(script, "a0-l0", concurrency, tmp_path_factory)[0], LOSS_TAGS, 4)
     assert np.all(reference != 0)
-    for layout in LAYOUTS:
+    for layout in SCRIPT_LAYOUTS[script]:
         losses = first_losses(layout_run(script, layout, concurrency, tmp_path_factory)[0], LOSS_TAGS, 4)
         # Relative difference below 1e-4; the absolute floor of 1e-6 is for the policy loss, a mean of
         # normalised advantages times ratios near 1, so ~1e-5 by cancellation of terms of size ~1.
@@ -127,6 +130,8 @@ def test_seed_changes_the_run(script, tmp_path, tmp_path_factory):
     assert not np.allclose(first, other, rtol=1e-3)
 
 
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["ppo"])
 @pytest.mark.parametrize("concurrency", [False, True], ids=["sync", "concurrent"])
 def test_many_iterations_multi_device(script, concurrency, tmp_path):
     """150 iterations with actor and learner threads on forced CPU devices finish: no collective deadlock."""
@@ -191,7 +196,7 @@ LEARNING = {
 
 
 @pytest.mark.xla_default
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize(("script", "seed"), [("ppo", 1), ("impala", 2)])  # each seed's run must pass on its own
 def test_learns_cartpole(script, seed, tmp_path):
     flags, bounds = LEARNING[script]
     common = ["--num-actor-threads", "1", "--hidden-dim", "64", "--log-frequency", "5", "--seed", str(seed)]

@@ -151,7 +151,8 @@ def wait_for_training(process: subprocess.Popen) -> str:
 
 
 @pytest.mark.xla_default  # --exact's bits across processes, as users get them
-@pytest.mark.parametrize("script", ["ppo", "impala"])
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["ppo"])
 def test_distributed_by_hand_across_two_nodes_equals_one_node(nodes, script, tmp_path):
     processes = start_on_nodes(nodes, script, flags(script, 4), tmp_path)
     outputs = outputs_of(processes, timeout=300)
@@ -165,7 +166,8 @@ def test_distributed_by_hand_across_two_nodes_equals_one_node(nodes, script, tmp
     assert not (tmp_path / "node1" / "runs").exists()  # only rank 0 writes logs
 
 
-@pytest.mark.parametrize("script", ["ppo", "impala"])
+# the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.parametrize("script", ["impala"])
 @pytest.mark.xla_default  # --exact's bits across processes (and SLURM's job has the cluster's environment)
 def test_slurm_job_across_two_nodes_equals_one_node(nodes, script, tmp_path):
     """launch_slurm --nodes 2 --ntasks-per-node 1: JAX's own SLURM detection finds the coordinator on node0."""
