@@ -328,8 +328,8 @@ def test_every_numeric_flag_has_a_checked_range(script, capsys):
 
 
 def test_help_names_the_algorithm_an_example_and_every_range(script):
-    """--help opens with what the script trains and a command to run it; each flag with a range shows it, and no
-    flag shows two defaults."""
+    """--help opens with what the script trains and a command to run it; each flag with a range shows the docstring
+    under its field, then the range; no flag shows two defaults."""
     import importlib
 
     from cleanba.flags import flag_ranges
@@ -348,7 +348,10 @@ def test_help_names_the_algorithm_an_example_and_every_range(script):
         if flag and line.startswith("│ "):
             lines[flag] = " ".join([lines.get(flag, ""), line.strip("│ ")])
     for name, interval in flag_ranges(module.Args).items():
-        assert f"; in {interval} (default: " in lines[f"--{name.replace('_', '-')}"], name
+        text = lines[f"--{name.replace('_', '-')}"]
+        assert f"; in {interval} (default: " in text, name
+        # before the range: the flag, its type (e.g. FLOAT) and the docstring under its field, at least a word
+        assert len(text.split("; in ")[0].split()) >= 3, (name, text)
     assert all(line.count("(default:") <= 1 for line in lines.values()), [x for x in lines.values() if "(default:" in x]
 
 
