@@ -31,6 +31,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# A job that becomes eligible with time alone (a requeued one, once its credential expired) waits for the main
+# scheduler's periodic pass: every 2 s here, against SLURM's default of 60 s.
+SchedulerParameters=sched_interval=2
 MpiDefault=none
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
