@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import free_port
+from conftest import free_port, user_environment
 
 SLURM_CONF = """\
 ClusterName=cleanba-test
@@ -103,7 +103,7 @@ class SlurmCluster:
     def __init__(self, root: Path):
         self.root = root
         self.conf = root / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.env = user_environment(SLURM_CONF=str(self.conf))
         self.daemons = []
 
     def start(self):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, SLOWDOWN, check_ok
+from conftest import ROOT, SLOWDOWN, check_ok, user_environment
 
 if importlib.util.find_spec("jax_cuda12_plugin") is None:
     if os.environ.get("CI") == "true":
@@ -45,7 +45,7 @@ def gpu_compile(target: str, script: str, flags: list, processes: int = 1) -> tu
         capture_output=True,
         text=True,
         timeout=900 * SLOWDOWN,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=user_environment(PYTHONUNBUFFERED="1"),
     )
     rows = {
         int(m[0]): (m[1], float(m[2]), m[3] == "yes")

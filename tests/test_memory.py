@@ -20,8 +20,9 @@ from conftest import LLVM_UNOPTIMIZED, check_ok, script_command, script_env
 from cleanba.benchmark.phases import learner_memory
 
 GIB = 2**30
-# LLVM_UNOPTIMIZED as a compile option of this process (its XLA_FLAGS were read when JAX started)
+# LLVM_UNOPTIMIZED as a compile option (this process has it in its XLA_FLAGS too: conftest.py), and XLA's default level
 UNOPTIMIZED = dict([LLVM_UNOPTIMIZED.removeprefix("--").split("=")])
+OPTIMIZED = {"xla_backend_optimization_level": "3"}
 
 
 def default_memory(script: str, *flags, compiler_options: dict = UNOPTIMIZED, minibatch_step: bool = True) -> dict:
@@ -40,7 +41,7 @@ def test_memory_figures_do_not_depend_on_llvm_optimizations():
     """The same figures from the default compile and from one with LLVM's optimizations off (PPO on Breakout through
     a narrow ResNet, 8 envs x 32 steps, 2 micro-batches)."""
     flags = [*SMALL_ATARI, *NARROW, "--gradient-accumulation-steps", "2"]
-    default, unoptimized = (default_memory("ppo", *flags, compiler_options=o) for o in ({}, UNOPTIMIZED))
+    default, unoptimized = (default_memory("ppo", *flags, compiler_options=o) for o in (OPTIMIZED, UNOPTIMIZED))
     assert default == unoptimized and default["update_temp_mib"] > 0, (default, unoptimized)
 
 

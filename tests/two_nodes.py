@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import user_environment
 from slurm_cluster import SLURM_CONF, job_tasks, start_munge, stop_daemons, wait_for_job
 
 NODES = ("node0", "node1")
@@ -113,7 +114,7 @@ class TwoNodes:
             f"NodeName={node} NodeAddr={address(node)} CPUs={os.cpu_count()} State=UNKNOWN" for node in NODES
         )
         self.conf.write_text(conf.replace(node_line, nodes))
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.env = user_environment(SLURM_CONF=str(self.conf))
         quiet = dict(env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.daemons = [self.popen("node0", ["slurmctld", "-D", "-f", self.conf], **quiet)]
         self.daemons += [self.popen(node, ["slurmd", "-D", "-N", node, "-f", self.conf], **quiet) for node in NODES]
