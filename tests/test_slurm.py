@@ -173,7 +173,7 @@ def test_requeued_job_with_the_default_run_name_resumes(cluster, tmp_path):
     """As a user submits: no --run-name. The run directory's default name under SLURM holds the array job and task
     ids, which a requeue keeps, so the requeued job (SLURM_RESTART_COUNT=1) finds the checkpoint its SIGTERM left
     and trains on from it into the same directory."""
-    iterations = 1500  # the requeued part trained 21 s on a 2-core AMD EPYC Zen 3: the SIGTERM lands well before the end
+    iterations = 1500  # the requeued part trained 21 s on a 2-core AMD EPYC Zen 3: SIGTERM lands well before the end
     total = iterations * 4 * 8
     job_name = f"requeue-default-{os.getpid()}"
     command = [sys.executable, SCRIPTS["impala"], "--env-id", "CartPole-v1", "--hidden-dim", "16", "--num-steps", "8"]
