@@ -4,7 +4,7 @@
     python -m cleanba.check_fork cleanba/my_impala.py --env-id Breakout-v5 -- --channels 4 4 4
 
 Six checks, each reported in one line (PASS, FAIL and why, or SKIP), exit 0 only when all pass:
-  engine   the text below the ENGINE line is the stock scripts' (else the differing lines follow, indented)
+  engine   the ENGINE blocks are the stock script's, byte for byte (else the differing lines follow, indented)
   network  the network's contract for the env's spaces: apply(params, obs) -> policy (batch, width), values (batch,)
   layouts  two --exact runs, the learner on a0-l0 and on a0-l1,2, log the same values at every iteration, bit for
            bit (every scalar but the timings), and end with the same params
@@ -42,7 +42,7 @@ import tyro
 
 CLEANBA = Path(__file__).resolve().parent
 STOCK = {name: CLEANBA / f"cleanba_{name}.py" for name in ("ppo", "impala", "ppo_continuous")}
-MARKER = "# ======== ENGINE:"
+MARKER = re.compile(r"^[ \t]*# ======== (ENGINE|ALGORITHM):", re.M)  # each block's first line
 ITERATIONS, CHECKPOINT_AT, DEVICES = 4, 2, 4
 SIZES = {  # the stock scripts' tiny sizes: flags, env steps per env and rollout
     "ppo": (["--hidden-dim", "16", "--num-minibatches", "2", "--update-epochs", "2"], 64),
@@ -118,11 +118,16 @@ def fail(message: str):
 
 
 def split(text: str) -> tuple:
-    """(the algorithm: after the module docstring up to the ENGINE line, the engine: from that line on)."""
-    if text.count(MARKER) != 1:
+    """(the algorithm, the engine) of a training script's text: the engine is its ENGINE blocks, each from its
+    marker line to the next ALGORITHM marker or the end; the algorithm is the rest after the module docstring."""
+    marks = list(MARKER.finditer(text))
+    if not any(mark.group(1) == "ENGINE" for mark in marks):
         return None, None
     docstring_end = text.index('"""', text.index('"""') + 3) + 3 if text.lstrip().startswith('"""') else 0
-    return text[docstring_end : text.index(MARKER)], text[text.index(MARKER) :]
+    blocks = {"ALGORITHM": [text[docstring_end : marks[0].start()]], "ENGINE": []}
+    for mark, end in zip(marks, [*(m.start() for m in marks[1:]), len(text)]):
+        blocks[mark.group(1)].append(text[mark.start() : end])
+    return "".join(blocks["ALGORITHM"]), "".join(blocks["ENGINE"])
 
 
 def closest_stock(algorithm: str) -> str:
@@ -138,12 +143,12 @@ def closest_stock(algorithm: str) -> str:
 def check_engine(engine: str, base: str) -> tuple:
     stock = split(STOCK[base].read_text())[1]
     if engine == stock:
-        return True, f"the text below the ENGINE line is {STOCK[base].name}'s, byte for byte", []
+        return True, f"the ENGINE blocks are {STOCK[base].name}'s, byte for byte", []
     diff = list(difflib.unified_diff(stock.splitlines(), engine.splitlines(), STOCK[base].name, "fork", lineterm=""))
     changed = sum(line[:1] in "+-" and line[:3] not in ("+++", "---") for line in diff)
     return (
         False,
-        f"{changed} lines below the ENGINE line differ from {STOCK[base].name}'s (keep the engine as is):",
+        f"{changed} lines of the ENGINE blocks differ from {STOCK[base].name}'s (keep the engine as is):",
         diff,
     )
 
@@ -386,7 +391,7 @@ def main(args: Args, argv: list) -> int:
         fail(f"{args.fork} is not a Python file; give the path of a forked training script")
     algorithm, engine = split(fork.read_text())
     if engine is None:
-        fail(f"{args.fork} has no single '{MARKER}' line: it is not a fork of a Cleanba training script")
+        fail(f"{args.fork} has no '# ======== ENGINE:' block: it is not a fork of a Cleanba training script")
     base = closest_stock(algorithm)
     env_id = args.env_id or DEFAULT_ENVS["Box" if 'ACTION_SPACE = "Box"' in algorithm else "Discrete"]
     import envpool.entry  # every family's ids (the scripts register two)

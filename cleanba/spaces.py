@@ -160,3 +160,9 @@ def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, cap
             f"--env-id={env_id} has {actions} actions, which {script} does not train: use "
             f"{SCRIPTS_FOR_ACTIONS[actions]}"
         )
+
+
+def check_network(module, train_args, params):  # TEMP until the helpers branch lands
+    from cleanba.evaluate import check_network as check
+
+    return check(module, train_args, params)

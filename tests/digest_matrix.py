@@ -4,9 +4,10 @@
     python tests/digest_matrix.py check before.json    # after it: every digest must be the same
     python tests/digest_matrix.py check before.json "ppo CartPole"   # only the cases whose name holds this
 
-The matrix: both scripts; CartPole and a tiny Breakout (gradient accumulation 2); layouts a0-l0 and a0-l1,2;
-concurrency on and off; with and without --exact; and a run resumed from a checkpoint written mid-run, per script
-and env. Digests are of one machine and jaxlib: compare runs made on the same ones, not across machines.
+The matrix: every script (IMPALA with and without --lstm); CartPole and a tiny Breakout (gradient accumulation 2),
+Hopper for the continuous PPO; layouts a0-l0 and a0-l1,2; concurrency on and off; with and without --exact; and a
+run resumed from a checkpoint written mid-run, per script and env. Digests are of one machine and jaxlib: compare
+runs made on the same ones, not across machines.
 """
 
 import json
@@ -63,6 +64,10 @@ SIZES = {  # (script, env): flags, steps per env per iteration
         8,
     ),
 }
+SIZES["impala+lstm", "CartPole-v1"] = (["--lstm", "--lstm-size", "8", *SIZES["impala", "CartPole-v1"][0]], 8)
+SIZES["ppo_continuous", "Hopper-v4"] = (SIZES["ppo", "CartPole-v1"][0], 16)
+CASES = [(s, e) for s in ("ppo", "impala") for e in ("CartPole-v1", "Breakout-v5")]
+CASES += [("impala+lstm", "CartPole-v1"), ("ppo_continuous", "Hopper-v4")]
 LAYOUTS = {"a0-l0": [], "a0-l1,2": ["--actor-device-ids", "0", "--learner-device-ids", "1", "2"]}
 ENVS, THREADS = 4, 2
 
@@ -93,9 +98,13 @@ def final_digest(output: str) -> str:
     return found[0]
 
 
+def command(script: str, args: list) -> list:
+    return script_command(script.split("+")[0], args)
+
+
 def run(script: str, args: list, directory: Path) -> str:
     process = subprocess.run(
-        script_command(script, args), cwd=directory, env=script_env(3), capture_output=True, text=True, timeout=600
+        command(script, args), cwd=directory, env=script_env(3), capture_output=True, text=True, timeout=600
     )
     if process.returncode:
         raise RuntimeError(f"{script} {args}: exit {process.returncode}\n{process.stdout}\n{process.stderr}")
@@ -120,7 +129,7 @@ def resume_case(name: str) -> str:
         directory = Path(directory)
         checkpoint = directory / "runs" / "resume" / "checkpoint.msgpack"
         process = subprocess.Popen(
-            script_command(script, args),
+            command(script, args),
             cwd=directory,
             env=script_env(3),
             text=True,
@@ -137,7 +146,7 @@ def resume_case(name: str) -> str:
             raise RuntimeError(f"{name}: exit {process.returncode}, checkpoint seen: {kept is not None}\n{output}")
         checkpoint.write_bytes(kept)
         resumed = subprocess.run(
-            script_command(script, [*args, "--resume"]),
+            command(script, [*args, "--resume"]),
             cwd=directory,
             env=script_env(3),
             capture_output=True,
@@ -154,18 +163,9 @@ def resume_case(name: str) -> str:
 
 
 def matrix(only: str = "") -> dict:
-    names = [
-        " ".join(c)
-        for c in product(
-            ["ppo", "impala"], ["CartPole-v1", "Breakout-v5"], LAYOUTS, ["conc", "sync"], ["exact", "plain"]
-        )
-        if only in " ".join(c)
-    ]
-    resumes = [
-        f"{script} {env_id} resume"
-        for script, env_id in product(["ppo", "impala"], ["CartPole-v1", "Breakout-v5"])
-        if only in f"{script} {env_id} resume"
-    ]
+    names = [" ".join((*c, *o)) for c in CASES for o in product(LAYOUTS, ["conc", "sync"], ["exact", "plain"])]
+    names = [name for name in names if only in name]
+    resumes = [f"{script} {env_id} resume" for script, env_id in CASES if only in f"{script} {env_id} resume"]
     with ThreadPoolExecutor(2) as pool:
         digests = dict(zip(names, pool.map(case, names)))
         digests.update(zip(resumes, pool.map(resume_case, resumes)))

@@ -64,12 +64,12 @@ def test_an_untouched_copy_passes_every_check(script, tmp_path):
 
 
 def test_an_engine_edit_is_named_with_its_lines(tmp_path):
-    # a fork that "fixes" the engine's lag: one line below the ENGINE line changed
+    # a fork that "fixes" the engine's lag: one line of an ENGINE block changed
     edit = ("    lag = int(args.concurrency)\n", "    lag = 1\n")
     process = check_fork(fork_of("ppo", tmp_path, [edit]), tmp_path, "--checks", "engine")
     assert process.returncode == 1, process.stdout + process.stderr
     assert verdicts(process.stdout) == {"engine": "FAIL"}, process.stdout
-    assert "FAIL engine: 2 lines below the ENGINE line differ from cleanba_ppo.py's" in process.stdout
+    assert "FAIL engine: 2 lines of the ENGINE blocks differ from cleanba_ppo.py's" in process.stdout
     assert "    -    lag = int(args.concurrency)\n    +    lag = 1\n" in process.stdout, process.stdout
 
 
@@ -120,7 +120,7 @@ def test_an_algorithm_that_breaks_invariance_fails_its_check(case, tmp_path):
 def test_refuses_a_file_that_is_not_a_fork(tmp_path):
     (tmp_path / "notes.py").write_text("print('hello')\n")
     process = check_fork(tmp_path / "notes.py", tmp_path)
-    assert process.returncode == 2 and "has no single '# ======== ENGINE:' line" in process.stderr, process.stderr
+    assert process.returncode == 2 and "has no '# ======== ENGINE:' block" in process.stderr, process.stderr
     process = check_fork(SCRIPTS["ppo"], tmp_path, "--checks", "engine", "speed")
     assert process.returncode == 2 and "--checks speed: not a check; choose among engine" in process.stderr
 

@@ -1,7 +1,7 @@
 """cleanba_ppo_continuous.py: its normalisation against a plain loop, what its actor stores and sends, and its refusals.
 
-The learner keeps the observation and return statistics (scale_rewards, update_obs_statistics) for every env of the
-run, in the network's "normalizer" collection: here they are computed over two rollouts and compared with gym's
+The learner keeps the observation and return statistics (cleanba/normalize.py) for every env of the run, in the
+network's "normalizer" collection: here they are computed over two rollouts and compared with gym's
 NormalizeObservation / NormalizeReward arithmetic written as plain float64 loops. A real run with every envs.recv()
 and envs.send() recorded then shows the rollout keeps the sampled action (its log-probability that of a Gaussian),
 EnvPool gets it clipped, and a Dict observation is stored flattened in sorted key order."""
@@ -18,6 +18,7 @@ from conftest import SCRIPTS, script_env
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from cleanba.normalize import scale_rewards, update_obs_statistics
 from cleanba.reductions import make_groups
 
 T, N, OBS = 8, 4, 3
@@ -41,8 +42,8 @@ def test_normalizer_is_gyms_arithmetic_over_every_env(tmp_path):
 
     def normalize(normalizer, rollout):
         groups = make_groups(args, rollout.env_ids[0], 1, "time").of_env_set(0)
-        rewards, normalizer = module.scale_rewards(args, normalizer, rollout, groups)
-        return rewards, module.update_obs_statistics(normalizer, rollout, groups)
+        rewards, normalizer = scale_rewards(args, normalizer, rollout, groups)
+        return rewards, update_obs_statistics(normalizer, rollout, groups)
 
     step = jax.jit(
         jax.shard_map(

@@ -27,9 +27,9 @@ the peak host memory of each is measured alone (ru_maxrss of the child, from os.
     learner     the script's jitted update on synthetic rollouts of the real global size (random observations
                 and actions, env ids as a real run assigns them), no envs.
                 Before running it, XLA's own memory analysis of the compiled update and of one minibatch gradient
-                step (update_minibatch on the batch the update hands it): what the learner allocates on its
-                device besides params and rollouts. The update should need little more than one minibatch step,
-                and --gradient-accumulation-steps should lower both.
+                step (the gradients of the batch the update hands it, and the optimizer's step): what the learner
+                allocates on its device besides params and rollouts. The update should need little more than one
+                minibatch step, and --gradient-accumulation-steps should lower both.
     sync        the training script itself with --no-concurrency: actor and learner alternate.
     concurrent  the training script itself with --concurrency: they overlap, the actor one policy behind.
     reference   optional (--reference-command): any command, run in a shell in the current directory; its

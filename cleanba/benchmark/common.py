@@ -35,7 +35,6 @@ SCRIPT_FUNCTIONS = (
     "queue_put",
     "StopTraining",
     "learner_blocks",
-    "update_minibatch",
     "rollout_fields",
     "recurrent_state_size",
     "learner_shapes",

@@ -242,26 +242,29 @@ def compile_learner(
     module, args, model, rollouts: tuple, compiler_options: dict | None = None, minibatch_step: bool = True
 ):
     """The script's learner update compiled for rollouts (arrays or ShapeDtypeStructs), and XLA's own memory
-    analysis of it and, with minibatch_step (a second compile), of one minibatch gradient step (update_minibatch on
-    the batch shapes that the update hands it, recorded while tracing). Nothing runs: the figures are what XLA plans
-    to allocate on the learner device. compiler_options: XLA options for both compiles (jax's Lowered.compile), such
-    as the tests' LLVM optimization level, which leaves XLA's buffer assignment, hence these figures, as they are."""
+    analysis of it and, with minibatch_step (a second compile), of one minibatch gradient step (the gradients of
+    the groups, cleanba/reductions.py's Groups.gradients, on the batch shapes that the update hands it, recorded
+    while tracing, then the optimizer's step). Nothing runs: the figures are what XLA plans to allocate on the
+    learner device. compiler_options: XLA options for both compiles (jax's Lowered.compile), such as the tests' LLVM
+    optimization level, which leaves XLA's buffer assignment, hence these figures, as they are."""
     import jax
     from jax.sharding import PartitionSpec as P
 
-    recorded, original = [], module.update_minibatch
+    from cleanba.reductions import Groups
 
-    def recording(agent, args, state, batch, groups):
+    recorded, original = [], Groups.gradients
+
+    def recording(groups, loss_fn, params, batch: dict, count):
         shapes = jax.tree.map(lambda x: (x.shape, x.dtype), (batch, groups.columns, groups.keys))
-        recorded.append((shapes, groups))
-        return original(agent, args, state, batch, groups)
+        recorded.append((shapes, groups, loss_fn, (count.shape, count.dtype)))
+        return original(groups, loss_fn, params, batch, count)
 
     update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts))
-    module.update_minibatch = recording
+    Groups.gradients = recording
     try:
         compiled = update.lower(model["state"], rollouts).compile(compiler_options)
     finally:
-        module.update_minibatch = original
+        Groups.gradients = original
     analysis = compiled.memory_analysis()
     mib = 1 / 2**20
     memory = dict(
@@ -271,29 +274,33 @@ def compile_learner(
     )
     if not minibatch_step:
         return compiled, memory
-    # update_minibatch's batch and groups are per device, every array (groups, ...): the global ones have groups x
-    # devices. The groups' static fields (exact, micro-batches) are those recorded.
-    shapes, groups = recorded[0]
+    # The gradients' batch and groups are per device, every array (groups, ...): the global ones have groups x
+    # devices. The groups' static fields (exact, micro-batches) and the loss are those recorded.
+    shapes, groups, loss_fn, count_shape = recorded[0]
     sharding = jax.sharding.NamedSharding(model["mesh"], P("learner"))
     batch, columns, keys = jax.tree.map(
         lambda sd: jax.ShapeDtypeStruct((sd[0][0] * model["mesh"].size, *sd[0][1:]), sd[1], sharding=sharding),
         shapes,
         is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple),
     )
+    count = jax.ShapeDtypeStruct(*count_shape, sharding=jax.sharding.NamedSharding(model["mesh"], P()))
 
-    def minibatch_step(state, batch, columns, keys):
-        return original(model["agent"], args, state, batch, groups._replace(columns=columns, keys=keys))
+    def minibatch_step(state, batch, columns, keys, count):
+        step_groups = groups._replace(columns=columns, keys=keys)
+        grads, metrics = original(step_groups, loss_fn, state.params, batch, count)
+        return state.apply_gradients(grads=grads), metrics
 
     step = jax.jit(
         jax.shard_map(
             minibatch_step,
             mesh=model["mesh"],
-            in_specs=(P(), P("learner"), P("learner"), P("learner")),
+            in_specs=(P(), P("learner"), P("learner"), P("learner"), P()),
             out_specs=(P(), P()),
             check_vma=False,
         )
     )
-    step_analysis = step.lower(model["state"], batch, columns, keys).compile(compiler_options).memory_analysis()
+    step_analysis = step.lower(model["state"], batch, columns, keys, count).compile(compiler_options)
+    step_analysis = step_analysis.memory_analysis()
     memory["minibatch_step_temp_mib"] = step_analysis.temp_size_in_bytes * mib
     memory["update_over_minibatch_step"] = memory["update_temp_mib"] / memory["minibatch_step_temp_mib"]
     return compiled, memory
