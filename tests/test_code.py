@@ -1,10 +1,13 @@
-"""Code habits: ruff's lint rules and its formatter (pyproject.toml) pass, and no module under cleanba/ imports
-another that imports it back, directly or through others (imports inside functions count too)."""
+"""Code habits: ruff's lint rules and its formatter (pyproject.toml) pass, no module under cleanba/ imports another
+that imports it back, directly or through others (imports inside functions count too), and each training script
+stays the size of the files it is modelled on."""
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 
 import pytest
 from conftest import ROOT, SCRIPTS
@@ -104,3 +107,37 @@ def test_no_import_cycle_between_cleanba_modules():
     for module in sorted(graph):
         cycle = cycle_from(module, [module])
         assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+# A training script's size, as docs/design.md gives the models' (the original Cleanba's PPO: 801 lines, 25.1k
+# characters, 12% prose, 38 lines over 100 columns): about 800 lines, 30k characters besides whitespace, a quarter
+# of them comments and docstrings at most, and about 40 lines over 100 columns.
+SIZE_BOUNDS = dict(lines=820, characters=31_500, prose=0.26, wide_lines=40)
+
+
+def script_size(text: str) -> dict:
+    """Lines, characters besides whitespace, the share of those in comments and docstrings (module, class, function
+    and field docstrings: every string that is a statement of its own), and lines over 100 columns."""
+    lines = text.splitlines()
+    characters = len("".join(text.split()))
+    prose = [
+        token.string for token in tokenize.generate_tokens(io.StringIO(text).readline) if token.type == tokenize.COMMENT
+    ]
+    prose += [
+        ast.get_source_segment(text, node)
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    ]
+    return dict(
+        lines=len(lines),
+        characters=characters,
+        prose=len("".join("".join(prose).split())) / characters,
+        wide_lines=sum(len(line) > 100 for line in lines),
+    )
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_training_script_is_the_size_of_its_models(script):
+    size = script_size(SCRIPTS[script].read_text())
+    over = {name: f"{size[name]:.3g} > {bound}" for name, bound in SIZE_BOUNDS.items() if size[name] > bound}
+    assert not over, f"{SCRIPTS[script].name} is past its size: {over}; cut prose that is not a reason or a source"
