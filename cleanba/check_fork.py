@@ -40,8 +40,8 @@ if __name__ == "__main__":  # the command, not a module imported by a test
 import numpy as np
 import tyro
 
-CLEANBA = Path(__file__).resolve().parent
-STOCK = {name: CLEANBA / f"cleanba_{name}.py" for name in ("ppo", "impala", "ppo_continuous")}
+from cleanba.family import SCRIPTS as STOCK  # the stock scripts a fork is compared with
+
 MARKER = re.compile(r"^[ \t]*# ======== (ENGINE|ALGORITHM):", re.M)  # each block's first line
 ITERATIONS, CHECKPOINT_AT, DEVICES = 4, 2, 4
 SIZES = {  # the stock scripts' tiny sizes: flags, env steps per env and rollout

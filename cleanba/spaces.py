@@ -16,10 +16,14 @@ import math
 
 import numpy as np
 
+from cleanba.family import FAMILY
 from cleanba.flags import fail
 
 # The scripts that train each kind of action space, named in the refusal of an env of another kind.
-SCRIPTS_FOR_ACTIONS = {"Discrete": "cleanba_ppo.py or cleanba_impala.py", "Box": "cleanba_ppo_continuous.py"}
+SCRIPTS_FOR_ACTIONS = {
+    kind: " or ".join(script.path.name for script in FAMILY.values() if script.action_space == kind)
+    for kind in dict.fromkeys(script.action_space for script in FAMILY.values())
+}
 VECTOR_PARTS = ("Box", "Discrete", "MultiBinary")  # what a flattened observation is made of
 # EnvPool's MiniGrid observation: its image's cells hold minigrid's codes of an object type (11), colour (6), state (3).
 MINIGRID_KEYS, MINIGRID_CODES = {"direction", "image", "mission"}, (11, 6, 3)

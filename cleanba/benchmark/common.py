@@ -11,10 +11,10 @@ from typing import Literal
 import numpy as np
 import tyro
 
+from cleanba.family import SCRIPTS
+
 PHASES = ("ceiling", "actor", "learner", "layers", "sync", "concurrent")
 THROUGHPUT_PHASES = ["ceiling", "actor", "learner", "sync", "concurrent"]  # the default: all but the layer profile
-CLEANBA = Path(__file__).parents[1]  # cleanba/, which holds the training scripts
-SCRIPTS = {name: CLEANBA / f"cleanba_{name}.py" for name in ("ppo", "impala", "ppo_continuous")}
 # What the benchmark calls in a training script; a fork must keep these names and signatures.
 SCRIPT_FUNCTIONS = (
     "Args",
@@ -44,7 +44,7 @@ SCRIPT_FUNCTIONS = (
 @dataclass
 class BenchmarkArgs:
     script: str = "ppo"
-    """ppo, impala, ppo_continuous, or the path of a training script with the same functions (a fork)"""
+    """a training script by name (ppo, impala, ppo_continuous), or the path of one with the same functions (a fork)"""
     phases: list[Literal["ceiling", "actor", "learner", "layers", "sync", "concurrent"]] = field(
         default_factory=lambda: list(THROUGHPUT_PHASES)
     )
@@ -82,10 +82,7 @@ def split_argv(argv: list) -> tuple:
 def resolve_script(name: str) -> Path:
     path = SCRIPTS.get(name, Path(name))
     if not path.is_file() or path.suffix != ".py":
-        fail(
-            f"--script {name}: give ppo, impala, ppo_continuous or the path of a training script (.py); "
-            f"{path} is not a file"
-        )
+        fail(f"--script {name}: give {', '.join(SCRIPTS)} or the path of a training script (.py); {path} is not a file")
     return path.resolve()
 
 
@@ -100,7 +97,7 @@ def load_script(path: Path):
     if missing:
         fail(
             f"--script {path}: it has no {', '.join(missing)}; the benchmark needs a Cleanba training script "
-            f"(a fork of cleanba/cleanba_ppo.py or cleanba_impala.py that keeps these names)"
+            "(a fork of a script in cleanba/ that keeps these names)"
         )
     return module
 
