@@ -202,13 +202,13 @@ def last_line(text: str) -> str:
 
 def network_child(argv: list):
     """In a child process: the fork's flags parsed and checked as its own run does, then its network's contract from
-    shapes alone (evaluate.check_network, as every run checks it at start). Exit 2 with the refusal, or 0."""
+    shapes alone (spaces.check_network, as every run checks it at start). Exit 2 with the refusal, or 0."""
     import envpool
     import jax
     import numpy as np
 
     from cleanba import spaces
-    from cleanba.evaluate import check_network, load_script, policy_width
+    from cleanba.evaluate import load_script
 
     module = load_script(Path(argv[0]))
     args = tyro.cli(module.Args, args=argv[1:], prog=Path(argv[0]).name)
@@ -217,8 +217,8 @@ def network_child(argv: list):
     obs_shape, obs_dtype = spaces.observation_field(spec.observation_space)
     agent = module.make_network(args, spec.action_space)
     params = jax.eval_shape(agent.init, jax.random.key(0), np.zeros((1, *obs_shape), obs_dtype))
-    check_network(module, args, params)
-    width = int(policy_width(module, spec.action_space))
+    spaces.check_network(module, args, params)
+    width = int(spaces.policy_width(module, spec.action_space))
     print(f"policy (batch, {width}) and values (batch,) for {args.env_id}'s {spec.action_space}")
     print(f"concurrency {args.concurrency}")  # the fork's default: the lag check runs it and its opposite
 

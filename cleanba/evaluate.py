@@ -4,7 +4,7 @@
     python -m cleanba.evaluate MODEL --greedy --upload-model --hf-repo-id my-name/breakout-cleanba-ppo
     python -m cleanba.evaluate runs/<run_name>/checkpoint.msgpack --episodes 10   # a run not finished yet
 
-The model file (written by either training script's --save-model) holds the args and params; the network and
+The model file (written by a training script's --save-model) holds the args and params; the network and
 the env wrappers come from the training script that wrote it (its file name is in the model file; --script
 points at a fork elsewhere), so evaluation sees exactly what training saw: the same Atari protocol, frame
 stack, sticky actions and episode cap. Returns are raw game scores of whole games (unclipped; a lost life does
@@ -95,77 +95,11 @@ def episode_quotas(episodes: int, num_envs: int) -> np.ndarray:
     return np.full(num_envs, episodes // num_envs) + (np.arange(num_envs) < episodes % num_envs)
 
 
-def make_eval_policy(module, agent, greedy: bool):
-    """(params, obs, recurrent state, starts, key) -> (actions, the next recurrent state), through the script's
-    policy_step, as its actors step (the state restarts where starts, an episode's first obs): actions sampled by the
-    script's own sample_actions (each env with its own key, as its actors sample), or with greedy its most likely
-    action: discrete scripts' networks give logits (greedy: their argmax), Box scripts' a Gaussian's means then log
-    standard deviations (greedy: the means). EnvPool is sent them through the script's env_actions (clipped to a
-    Box)."""
-    import jax
-    import jax.numpy as jnp
-
-    @jax.jit
-    def act(params, obs, state, starts, key):
-        policy, state = module.policy_step(agent, params, obs, state, starts)
-        if not greedy:
-            return module.sample_actions(policy, jax.random.split(key, obs.shape[0]))[0], state
-        if module.ACTION_SPACE == "Box":
-            return jnp.split(policy, 2, axis=1)[0], state
-        return jnp.argmax(policy, axis=1), state
-
-    return act
-
-
-def policy_width(module, action_space) -> int:
-    """The width of the network's policy output for the env's action space: the logits of each action, or a
-    Gaussian's mean and log standard deviation of each action component."""
-    return action_space.n if module.ACTION_SPACE == "Discrete" else 2 * action_space.shape[0]
-
-
 def args_of_model(module, saved: dict):
     """The script's Args from a saved model's args. Entries that are no longer fields (the run-time sizes of older
     versions, such as local_rank, now process_index) are left out: they do not change the network or the envs."""
     names = {f.name for f in fields(module.Args)}
     return module.Args(**{name: value for name, value in saved.items() if name in names})
-
-
-def check_network(module, train_args, params):
-    """At the start of every run, from shapes alone (jax.eval_shape: nothing compiles or runs): the network gives a
-    policy and values of the shapes the actors, the learner and the evaluation use (make_network, apply(params, obs)
-    -> (policy, values), make_eval_policy). A fork whose network breaks that contract, a head of the wrong width
-    say, fails here, before anything starts, instead of training on out-of-range actions."""
-    import envpool
-    import jax
-
-    spec = envpool.make_spec(train_args.env_id, **module.env_kwargs(train_args))
-    obs_shape, obs_dtype = spaces.observation_field(spec.observation_space)
-    obs = jax.ShapeDtypeStruct((2, *obs_shape), obs_dtype)
-    width, action_shape = int(policy_width(module, spec.action_space)), spaces.action_field(spec.action_space)[0]
-    try:
-        agent = module.make_network(train_args, spec.action_space)
-        state = jax.ShapeDtypeStruct((2, module.recurrent_state_size(train_args)), np.float32)
-        starts = jax.ShapeDtypeStruct((2,), bool)
-        act = make_eval_policy(module, agent, greedy=False)
-        actions, _ = jax.eval_shape(act, params, obs, state, starts, jax.random.key(0))
-        policy, values = jax.eval_shape(agent.apply, params, obs)
-    except Exception as error:
-        fail(
-            f"the network breaks the scripts' contract ({type(error).__name__}: {error}): they build it with "
-            f"make_network(args, action_space) and need apply(params, obs) -> (policy, values)"
-        )
-    shapes = (getattr(policy, "shape", None), getattr(values, "shape", None), actions.shape)
-    if shapes != ((2, width), (2,), (2, *action_shape)):
-        per_action = (
-            f"one logit for each of {train_args.env_id}'s {width} actions"
-            if module.ACTION_SPACE == "Discrete"
-            else f"the means, then the log standard deviations, of {train_args.env_id}'s {width // 2} action components"
-        )
-        fail(
-            f"the network returns policy and values of shapes {shapes[0]} and {shapes[1]} for a batch of 2 "
-            f"observations; the scripts need ({(2, width)}, (2,)): apply(params, obs) -> (policy, values), the policy "
-            f"{per_action} (make_network builds it)"
-        )
 
 
 def write_video(path: Path, frames: list):
@@ -204,7 +138,7 @@ def evaluate(
     envs = envpool.make(train_args.env_id, "gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed, **kwargs)
     spec = envs.spec
     agent = module.make_network(train_args, spec.action_space)
-    act = make_eval_policy(module, agent, greedy)
+    act = spaces.make_eval_policy(module, agent, greedy)
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
     scores, resetting = GameScores(num_envs), np.zeros(num_envs, bool)

@@ -1,4 +1,4 @@
-"""An env's observation and action spaces as the training scripts see them, and the check that a script trains them.
+"""An env's observation and action spaces as the training scripts see them, and the checks that a script trains them.
 
 Every script of the family stores an observation as one array. A Box as it is (float64 as float32, the precision JAX
 computes in): images stay images. Anything else becomes one float32 vector: a Dict's parts in the sorted order of
@@ -7,9 +7,9 @@ part (MiniGrid's mission bytes, say) scaled by 1 / 255 into [0, 1], as the ResNe
 to 255 do not saturate an MLP's first layer. MiniGrid's image is the exception: each of its cells holds three codes
 (object type, colour, state), one-hot, as minigrid's OneHotPartialObsWrapper has them, since scaled bytes would put a
 key (5) and a ball (6) 0.004 apart in one input. The order is fixed by the space alone, so it is the same on every
-layout and in the evaluation. Actions are Discrete
-(cleanba_ppo.py, cleanba_impala.py) or a Box of floats (cleanba_ppo_continuous.py); check_env refuses, in one line,
-an env whose spaces its script does not train.
+layout and in the evaluation. Actions are Discrete or a Box of floats, as each script says (cleanba/family.py);
+check_env refuses, in one line, an env whose spaces its script does not train, and check_network a network whose
+policy and values do not fit the env's spaces.
 """
 
 import math
@@ -166,7 +166,70 @@ def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, cap
         )
 
 
-def check_network(module, train_args, params):  # TEMP until the helpers branch lands
-    from cleanba.evaluate import check_network as check
+# ---- The network's contract: what the actors, the learner and the evaluation need of its outputs
 
-    return check(module, train_args, params)
+
+def make_eval_policy(module, agent, greedy: bool):
+    """(params, obs, recurrent state, starts, key) -> (actions, the next recurrent state), through the script's
+    policy_step, as its actors step (the state restarts where starts, an episode's first obs): actions sampled by the
+    script's own sample_actions (each env with its own key, as its actors sample), or with greedy its most likely
+    action: discrete scripts' networks give logits (greedy: their argmax), Box scripts' a Gaussian's means then log
+    standard deviations (greedy: the means). EnvPool is sent them through the script's env_actions (clipped to a
+    Box)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def act(params, obs, state, starts, key):
+        policy, state = module.policy_step(agent, params, obs, state, starts)
+        if not greedy:
+            return module.sample_actions(policy, jax.random.split(key, obs.shape[0]))[0], state
+        if module.ACTION_SPACE == "Box":
+            return jnp.split(policy, 2, axis=1)[0], state
+        return jnp.argmax(policy, axis=1), state
+
+    return act
+
+
+def policy_width(module, action_space) -> int:
+    """The width of the network's policy output for the env's action space: the logits of each action, or a
+    Gaussian's mean and log standard deviation of each action component."""
+    return action_space.n if module.ACTION_SPACE == "Discrete" else 2 * action_space.shape[0]
+
+
+def check_network(module, train_args, params):
+    """At the start of every run, from shapes alone (jax.eval_shape: nothing compiles or runs): the network gives a
+    policy and values of the shapes the actors, the learner and the evaluation use (make_network, apply(params, obs)
+    -> (policy, values), make_eval_policy). A fork whose network breaks that contract, a head of the wrong width
+    say, fails here, before anything starts, instead of training on out-of-range actions."""
+    import envpool
+    import jax
+
+    spec = envpool.make_spec(train_args.env_id, **module.env_kwargs(train_args))
+    obs_shape, obs_dtype = observation_field(spec.observation_space)
+    obs = jax.ShapeDtypeStruct((2, *obs_shape), obs_dtype)
+    width, action_shape = int(policy_width(module, spec.action_space)), action_field(spec.action_space)[0]
+    try:
+        agent = module.make_network(train_args, spec.action_space)
+        state = jax.ShapeDtypeStruct((2, module.recurrent_state_size(train_args)), np.float32)
+        starts = jax.ShapeDtypeStruct((2,), bool)
+        act = make_eval_policy(module, agent, greedy=False)
+        actions, _ = jax.eval_shape(act, params, obs, state, starts, jax.random.key(0))
+        policy, values = jax.eval_shape(agent.apply, params, obs)
+    except Exception as error:
+        fail(
+            f"the network breaks the scripts' contract ({type(error).__name__}: {error}): they build it with "
+            f"make_network(args, action_space) and need apply(params, obs) -> (policy, values)"
+        )
+    shapes = (getattr(policy, "shape", None), getattr(values, "shape", None), actions.shape)
+    if shapes != ((2, width), (2,), (2, *action_shape)):
+        per_action = (
+            f"one logit for each of {train_args.env_id}'s {width} actions"
+            if module.ACTION_SPACE == "Discrete"
+            else f"the means, then the log standard deviations, of {train_args.env_id}'s {width // 2} action components"
+        )
+        fail(
+            f"the network returns policy and values of shapes {shapes[0]} and {shapes[1]} for a batch of 2 "
+            f"observations; the scripts need ({(2, width)}, (2,)): apply(params, obs) -> (policy, values), the policy "
+            f"{per_action} (make_network builds it)"
+        )
