@@ -30,6 +30,7 @@ import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from cleanba.startup import hide_cuda_plugin
@@ -40,6 +41,7 @@ if __name__ == "__main__":  # the command, not a module imported by a test
 import numpy as np
 import tyro
 
+from cleanba import flags
 from cleanba.family import SCRIPTS as STOCK  # the stock scripts a fork is compared with
 
 MARKER = re.compile(r"^[ \t]*# ======== (ENGINE|ALGORITHM):", re.M)  # each block's first line
@@ -112,9 +114,7 @@ class Args:
     """the checks to run (engine and network alone take seconds)"""
 
 
-def fail(message: str):
-    print(f"check_fork: error: {message}", file=sys.stderr)
-    sys.exit(2)
+fail = partial(flags.fail, program="check_fork")
 
 
 def split(text: str) -> tuple:

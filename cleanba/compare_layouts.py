@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 import tyro
 
-from cleanba.score_report import fail, layout_label, new_figure, read_run, save_figure, warn
+from cleanba.flags import fail
+from cleanba.score_report import layout_label, new_figure, read_run, save_figure, warn
 
 PANEL_SIZE = (900, 300)
 

@@ -1,7 +1,8 @@
 """A training script's flags: declared (flag: a field of Args with its meaningful range and whether a resumed run may
 change it), parsed (parse_flags: tyro, with each range in --help) and checked before anything starts (check_flags:
-ranges, device ids, the flags that only act together; fail refuses with exit status 2), with what they derive: the
-actor threads of a process and the run's default name. Each script adds its algorithm's own checks.
+ranges, device ids, the flags that only act together), with what they derive: the actor threads of a process and the
+run's default name. Each script adds its algorithm's own checks. fail is every refusal of bad input, the scripts' and
+the commands': one line, exit status 2.
 """
 
 import ast
@@ -17,13 +18,13 @@ from functools import cache, partial
 from pathlib import Path
 from types import MappingProxyType
 
-import envpool
 import tyro
 
 
-def fail(message: str):
-    """Refuse bad input before any env, thread or device work: exit status 2, no traceback."""
-    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+def fail(message: str, program: str | None = None):
+    """Refuse bad input before any env, thread or device work: exit status 2, no traceback, one line that starts with
+    the program's name (default: the file run, as in `cleanba_ppo.py: error: ...`)."""
+    print(f"{program or Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -90,6 +91,8 @@ def parse_flags(args_class, doc: str):
 def check_flags(args):
     """The checks both scripts share: every numeric flag in its range (NaN is in none), device ids, and the flags
     that only act together with another."""
+    import envpool  # here, not at the top: the tools that only refuse input (fail) need none of it
+
     for name, interval in flag_ranges(args).items():
         if not in_range(getattr(args, name), interval):
             fail(

@@ -53,6 +53,8 @@ import tyro
 from rliable import library, metrics, plot_utils
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from cleanba.flags import fail
+
 ATARI_SCORES = Path(__file__).with_name("atari_scores.csv")
 HYPERPARAMETERS_TAG = "hyperparameters/text_summary"  # where SummaryWriter.add_text("hyperparameters") lands
 METRICS = {
@@ -107,12 +109,6 @@ class Args:
     """coverage of the stratified bootstrap confidence intervals"""
     seed: int = 0
     """seed of the bootstrap, so that the intervals are reproducible"""
-
-
-def fail(message: str):
-    """Refuse bad input: exit status 2, no traceback."""
-    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def warn(message: str):

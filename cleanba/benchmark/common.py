@@ -5,12 +5,14 @@ import importlib.util
 import itertools
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import tyro
 
+from cleanba import flags
 from cleanba.family import SCRIPTS
 
 PHASES = ("ceiling", "actor", "learner", "layers", "sync", "concurrent")
@@ -65,10 +67,7 @@ class BenchmarkArgs:
     """the batch of the layers phase (default: the learner's micro-batch per device)"""
 
 
-def fail(message: str):
-    """Refuse bad input before any phase runs: exit status 2, no traceback."""
-    print(f"benchmark: error: {message}", file=sys.stderr)
-    sys.exit(2)
+fail = partial(flags.fail, program="benchmark")  # bad input, refused before any phase runs
 
 
 def split_argv(argv: list) -> tuple:
