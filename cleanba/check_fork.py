@@ -263,7 +263,7 @@ def run_fork(fork: Path, run: Run, directory: Path, extra: list = ()) -> Run:
 
 
 def logged_values(directory: Path) -> dict:
-    from cleanba.score_report import read_run
+    from cleanba.events import read_run
 
     (run_dir,) = (directory / "runs").iterdir()
     scalars = read_run(run_dir).scalars

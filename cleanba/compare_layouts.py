@@ -19,8 +19,9 @@ import numpy as np
 import pandas as pd
 import tyro
 
+from cleanba.events import read_run
 from cleanba.flags import fail
-from cleanba.score_report import layout_label, new_figure, read_run, save_figure, warn
+from cleanba.score_report import layout_label, new_figure, save_figure, warn
 
 PANEL_SIZE = (900, 300)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from cleanba import score_report
+from cleanba import events, score_report
 
 README = (ROOT / "README.md").read_text()
 ATARI_CPU = (ROOT / "docs" / "atari-cpu.md").read_text()
@@ -16,7 +16,7 @@ REFERENCES = score_report.load_references(None)
 
 
 def scalars(directory):
-    return score_report.read_run(directory).scalars
+    return events.read_run(directory).scalars
 
 
 def value_at(points, step: int) -> float:

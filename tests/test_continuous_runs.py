@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from cleanba import score_report
+from cleanba import events, score_report
 
 RUNS = ROOT / "docs" / "runs" / "mujoco-ppo-continuous-cpu"
 PAGE = (ROOT / "docs" / "continuous.md").read_text()
@@ -20,7 +20,7 @@ def final_scores(env_id: str) -> tuple:
     """(final scores, minutes) of the env's runs, seed by seed."""
     scores, minutes = [], []
     for directory in sorted(RUNS.glob(f"{env_id}__cleanba_ppo_continuous__*")):
-        run = score_report.read_run(directory)
+        run = events.read_run(directory)
         assert run.hyperparameters["env_id"] == env_id and run.hyperparameters["total_timesteps"] == "1000000"
         curve = run.scalars["charts/episodic_return"]
         assert curve.step.iloc[-1] == 999_424  # 488 iterations of 2,048 steps
@@ -41,5 +41,5 @@ def test_each_figure_of_the_table_comes_from_the_event_files(env_id):
         assert scores.mean() >= CLEANRL[env_id], (env_id, scores)
         assert f"{scores.mean():,.1f}" in README, f"README: {env_id}'s {scores.mean():,.1f}"
     else:  # dm_control learns: the last 10% of the run well above its first logged points
-        curve = score_report.read_run(next(RUNS.glob(f"{env_id}__*"))).scalars["charts/episodic_return"]
+        curve = events.read_run(next(RUNS.glob(f"{env_id}__*"))).scalars["charts/episodic_return"]
         assert scores.mean() > 3 * curve.value.iloc[:3].mean(), (env_id, scores, curve.value.iloc[:3])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from cleanba import score_report
+from cleanba import events
 
 RUNS = ROOT / "docs" / "runs" / "minigrid-memory-lstm-cpu"
 PAGE = (ROOT / "docs" / "recurrent.md").read_text()
@@ -30,7 +30,7 @@ VARYING = {"lstm", "lstm_size", "seed", "run_name"}
 
 
 def run(variant: str, seed: int):
-    return score_report.read_run(RUNS / f"{variant}-{seed}")
+    return events.read_run(RUNS / f"{variant}-{seed}")
 
 
 def evaluations(variant: str) -> np.ndarray:

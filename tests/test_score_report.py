@@ -13,7 +13,7 @@ from conftest import ROOT
 from matplotlib.image import imread
 from tensorboardX import SummaryWriter
 
-from cleanba import compare_layouts, score_report
+from cleanba import compare_layouts, events, score_report
 
 TAG = "charts/episodic_return"
 STEPS = range(1000, 11000, 1000)  # 10 logged points; with --final-fraction 0.25 the score is the mean of the last 3
@@ -146,7 +146,7 @@ def test_resumed_run_merges_event_files(tmp_path):
     evaluation = [(episode, 10.0 + episode) for episode in range(3)]
     resumed = {TAG: [(step, float(step)) for step in STEPS[4:]], "eval/episodic_return": evaluation}
     write_events(tmp_path, params, resumed, purge_step=4001, suffix=".resumed")
-    run = score_report.read_run(tmp_path)
+    run = events.read_run(tmp_path)
     curve = run.scalars[TAG]
     assert curve.step.tolist() == list(STEPS)
     assert curve.value.tolist() == [-1.0] * 4 + [float(step) for step in STEPS[4:]]
@@ -335,7 +335,7 @@ def test_layout_labels_and_mismatch_warning(tmp_path, capsys):
         hyperparameters("Breakout-v5", "ppo", 1),
         hyperparameters("Pong-v5", "ppo", 2, learner="[1, 2]", world_size=2),
     ]
-    runs = [score_report.Run(tmp_path, {key: str(value) for key, value in params.items()}, {}) for params in logged]
+    runs = [events.Run(tmp_path, {key: str(value) for key, value in params.items()}, {}) for params in logged]
     assert compare_layouts.run_labels(runs) == ["a0-l0-d1", "a0-l1,2-d2"]
     compare_layouts.check_same_experiment(runs)
     error = capsys.readouterr().err

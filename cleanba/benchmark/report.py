@@ -12,14 +12,12 @@ from cleanba.benchmark.layers import layers_table
 
 def read_stats(run_dir: Path, batch_size: int) -> dict:
     """{name: (wall times, values)} of the stats/ scalars, ordered by iteration."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from cleanba.events import scalar_events
 
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
     stats = {}
-    for tag in accumulator.Tags()["scalars"]:
+    for tag, logged in scalar_events(run_dir).items():
         if tag.startswith("stats/"):
-            events = sorted(accumulator.Scalars(tag), key=lambda e: e.step)
+            events = sorted(logged, key=lambda e: e.step)
             assert [e.step for e in events] == [batch_size * (i + 1) for i in range(len(events))], tag
             stats[tag[len("stats/") :]] = ([e.wall_time for e in events], np.array([e.value for e in events]))
     return stats

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from cleanba import score_report
+from cleanba import events
 
 ROOT = Path(__file__).resolve().parents[3]
 RUNS = ROOT / "docs" / "runs" / "minigrid-memory-lstm-cpu"
@@ -24,7 +24,7 @@ grid = np.linspace(0, 9_998_336, 200)
 for variant, (label, color) in VARIANTS.items():
     curves = []
     for seed in SEEDS:
-        curve = score_report.read_run(RUNS / f"{variant}-{seed}").scalars["charts/episodic_return"]
+        curve = events.read_run(RUNS / f"{variant}-{seed}").scalars["charts/episodic_return"]
         curves.append(np.interp(grid, curve.step, curve.value))
         ax.plot(grid, curves[-1], color=color, alpha=0.3, linewidth=0.8)
     ax.plot(grid, np.mean(curves, axis=0), color=color, linewidth=2, label=f"{label} ({len(SEEDS)} seeds, mean bold)")
