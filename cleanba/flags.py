@@ -66,8 +66,8 @@ def field_docstring(args_class, name: str) -> str:
 
 @cache
 def class_field_docstrings(klass) -> dict:
-    """{field: its docstring} of the fields a class body declares, its source parsed once per process: parsed for each
-    flag, parse_flags took 0.55 s of CPU at every start of a script, against 0.07 so (2-core AMD EPYC Zen 3)."""
+    """{field: its docstring} of the fields a class body declares, its source parsed once per process, not once per
+    flag: every start of a script parses its flags (docs/performance.md#a-scripts-start)."""
     body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
     return {
         node.target.id: " ".join(str(after.value.value).split())
@@ -89,7 +89,7 @@ def parse_flags(args_class, doc: str):
 
 
 def check_flags(args):
-    """The checks both scripts share: every numeric flag in its range (NaN is in none), device ids, and the flags
+    """The checks every script shares: every numeric flag in its range (NaN is in none), device ids, and the flags
     that only act together with another."""
     import envpool  # here, not at the top: the tools that only refuse input (fail) need none of it
 

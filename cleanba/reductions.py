@@ -1,5 +1,5 @@
 """How a learner device gets its envs and sums over them: the layer behind --exact and gradient accumulation, shared
-by cleanba_ppo.py and cleanba_impala.py.
+by every training script.
 
 An actor thread's rollout goes to the learner devices in whole blocks of envs (put_on_learners). Every sum the
 learner's update takes over samples is a sum over groups of envs (Groups): each group computed on its own, its

@@ -42,9 +42,9 @@ LIBRARY_PACKAGES = {
 
 
 # `import envpool` registers every env family EnvPool ships (its envpool/entry.py), and one of them, Jumanji, imports
-# matplotlib's pyplot and its renderers: a script's imports took 5.9-6.2 s of CPU with them, 3.1-4.0 s without (a venv
-# with bytecode, the 2-core CI machine). These are the families the scripts train on; import_envpool registers them
-# alone, and any other env id registers the rest (flags.check_flags imports envpool.entry for it).
+# matplotlib's pyplot and its renderers, a large part of a script's start (docs/performance.md#a-scripts-start). These
+# are the families the scripts train on; import_envpool registers them alone, and any other env id registers the rest
+# (flags.check_flags imports envpool.entry for it).
 ENVPOOL_FAMILIES = ("envpool.atari.registration", "envpool.classic_control.registration")
 
 
@@ -61,11 +61,11 @@ def import_envpool():
         importlib.import_module(family)
 
 
-# `import rlax` imports its distribution helpers, which import distrax and TensorFlow Probability's JAX substrate: a
-# script's imports took 4.5-4.7 s of CPU with them, 3.2 s without (a venv with bytecode, the 2-core CI machine). The
-# scripts use rlax's GAE and V-trace, which need neither; rlax reads one name of distrax as it imports, in annotations
-# (policy_targets: distrax.DistributionLike). import_rlax imports rlax with a stand-in for distrax, which imports the
-# real one the first time rlax uses it.
+# `import rlax` imports its distribution helpers, which import distrax and TensorFlow Probability's JAX substrate, a
+# large part of a script's start (docs/performance.md#a-scripts-start). The scripts use rlax's GAE and V-trace, which
+# need neither; rlax reads one name of distrax as it imports, in annotations (policy_targets:
+# distrax.DistributionLike). import_rlax imports rlax with a stand-in for distrax, which imports the real one the first
+# time rlax uses it.
 class ImportOnUse(types.ModuleType):
     """A stand-in for the module of its name: any name read from it comes from the real module, imported then."""
 
@@ -237,9 +237,9 @@ def prepare_process(main: bool = True):
     warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered by casting", category=UserWarning)
     if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:  # the old and new names conflict when both are set
         os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", MEM_FRACTION)
-    # XLA:CPU computes the weight gradients of convolutions 5-30x slower than the convolutions themselves (860 ms
-    # vs 30 ms for a 3x3 conv on 64x42x42x32); routing reductions through YNNPACK brings them to the forward's cost
-    # and more than halves the CPU time of an Atari update (docs/performance.md). The flag is experimental and XLA
-    # aborts on flags it does not know, so it is only added for the jaxlib it was checked with.
+    # XLA:CPU computes the weight gradients of convolutions many times slower than the convolutions themselves;
+    # routing reductions through YNNPACK brings them to the forward's cost (docs/performance.md, the ResNet update on
+    # XLA:CPU). The flag is experimental and XLA aborts on flags it does not know, so it is only added for the jaxlib
+    # it was checked with.
     if version("jaxlib").startswith("0.10."):
         add_xla_flags("--xla_cpu_experimental_ynn_fusion_type=reduce")
