@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import free_port, user_environment
+from support import free_port, user_environment
 
 SLURM_CONF = """\
 ClusterName=cleanba-test

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import SCRIPTS, script_env
+from support import SCRIPTS, script_env
 
 RECORDER = """
 import sys

@@ -5,7 +5,7 @@ on the code of their dates, are a dated report with their own event files (docs/
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from cleanba import events, score_report
 

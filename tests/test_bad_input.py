@@ -10,7 +10,7 @@ from pathlib import Path
 
 import envpool
 import pytest
-from conftest import ROOT, SCRIPTS, in_mount_namespace, run_script, script_env
+from support import ROOT, SCRIPTS, in_mount_namespace, run_script, script_env
 
 from cleanba import startup
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, check_ok, script_env
+from support import ROOT, TINY, check_ok, script_env
 
 # These tests check the tool (its phases, figures and ratios consistent with each other), not the speeds themselves:
 # their runs compile with LLVM's optimizations off like the other tests of what a run does (the layers phase and the

@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
-from conftest import SCRIPTS, script_env
+from support import SCRIPTS, script_env
 
 from cleanba.check_fork import CHECKS
 
-# check_fork's runs compile with LLVM's optimizations off here (conftest.py), as the tests of what a run does: what is
+# check_fork's runs compile with LLVM's optimizations off here (support.py), as the tests of what a run does: what is
 # tested is the tool's checks; the bits users get on every layout are tests/test_exact.py's.
 
 

@@ -10,7 +10,7 @@ import sys
 import tokenize
 
 import pytest
-from conftest import ROOT, SCRIPTS
+from support import ROOT, SCRIPTS
 
 
 def ruff(*args: str) -> subprocess.CompletedProcess:

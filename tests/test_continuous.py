@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SCRIPTS, script_env
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from support import SCRIPTS, script_env
 
 from cleanba.normalize import scale_rewards, update_obs_statistics
 from cleanba.reductions import make_groups

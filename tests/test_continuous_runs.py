@@ -5,7 +5,7 @@ CleanRL's published 1M-step return (ppo_continuous_action, tag pr-424)."""
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from cleanba import events, score_report
 

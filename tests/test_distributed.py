@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (
+from support import (
     FAULTY_ENVPOOL,
     LOSS_TAGS,
     TINY,

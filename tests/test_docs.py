@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields
 
 import pytest
-from conftest import ROOT, script_env
+from support import ROOT, script_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPT = re.compile(r"^cleanba/(cleanba_\w+)\.py$")

@@ -15,7 +15,7 @@ import envpool
 import envpool.entry
 import numpy as np
 import pytest
-from conftest import ROOT, check_ok, run_script, script_env
+from support import ROOT, check_ok, run_script, script_env
 
 CHECK_ALL = """
 import json, sys

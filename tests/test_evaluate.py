@@ -6,7 +6,7 @@ import sys
 
 import imageio
 import yaml
-from conftest import ROOT, TINY, check_ok, run_dir, run_script, scalars, script_env
+from support import ROOT, TINY, check_ok, run_dir, run_script, scalars, script_env
 
 EVALUATE = [sys.executable, "-m", "cleanba.evaluate"]
 NO_HUB_TOKEN = {"HF_TOKEN": "", "HF_HUB_OFFLINE": "1"}  # and HF_HOME in tmp_path: no token anywhere

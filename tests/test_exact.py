@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import (
+from support import (
     LLVM_UNOPTIMIZED,
     ROOT,
     check_ok,
@@ -129,7 +129,7 @@ def layout_runs(script, env_id, tmp_path) -> dict:
         process = run_script(script, args, tmp_path / name, devices=DEVICES, timeout=600)
         check_ok(process)
         # What XLA is told: deterministic GPU kernels (a flag XLA:CPU also parses, or it would abort at start), and
-        # the default optimizations, as users run (tests not marked xla_default turn LLVM's off: conftest.py).
+        # the default optimizations, as users run (tests not marked xla_default turn LLVM's off: support.py).
         assert "XLA_FLAGS:" in process.stdout and "--xla_gpu_deterministic_ops=true" in process.stdout
         assert LLVM_UNOPTIMIZED not in process.stdout, process.stdout
         assert "on any split of the envs over actor threads and processes" in process.stdout, process.stdout

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, SLOWDOWN, check_ok, user_environment
+from support import ROOT, SLOWDOWN, check_ok, user_environment
 
 if importlib.util.find_spec("jax_cuda12_plugin") is None:
     if os.environ.get("CI") == "true":

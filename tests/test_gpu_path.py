@@ -8,7 +8,10 @@ import sys
 import tomllib
 
 import pytest
-from conftest import (
+from packaging.markers import Marker
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from support import (
     FAKE_GPU,
     ROOT,
     TINY,
@@ -16,9 +19,6 @@ from conftest import (
     script_command,
     script_env,
 )
-from packaging.markers import Marker
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 from cleanba import startup
 
@@ -81,7 +81,7 @@ def test_cuda_groups_lock_the_plugin_of_jaxlibs_version(cuda, python):
 
 def gpu_node_env(tmp_path, sign: str) -> tuple:
     """The command prefix and environment of a run on a node that shows an NVIDIA GPU by `sign`, with no
-    JAX_PLATFORMS (the suite's default, conftest.py) and no GPU variable but the sign's."""
+    JAX_PLATFORMS (the suite's default, support.py) and no GPU variable but the sign's."""
     env = script_env()
     for variable in ["JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"]:
         env.pop(variable, None)

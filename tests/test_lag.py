@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 import tyro
-from conftest import TINY
+from support import TINY
 
 from cleanba.lifetime import shut_down
 from cleanba.replicas import digest, unreplicate

@@ -5,7 +5,7 @@ feed-forward seed by a clear margin."""
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from cleanba import events
 

@@ -1,7 +1,7 @@
 """Learner memory at the default Atari sizes, from XLA's own analysis of the update as this machine's XLA:CPU compiles
 it for training (shapes only, nothing runs): it must follow the minibatch, not the rollout.
 
-The compiles here run with LLVM's optimizations off (conftest.LLVM_UNOPTIMIZED), as the tests of what a run does:
+The compiles here run with LLVM's optimizations off (support.LLVM_UNOPTIMIZED), as the tests of what a run does:
 XLA plans its buffers before LLVM sees the program, so the figures are those of the default compile (the PPO
 default update: 10588.14 MiB of temporaries either way, 28.2 against 15.6 s of CPU), which
 test_memory_figures_do_not_depend_on_llvm_optimizations checks at a small size."""
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import tyro
-from conftest import LLVM_UNOPTIMIZED, check_ok, script_command, script_env
+from support import LLVM_UNOPTIMIZED, check_ok, script_command, script_env
 
 from cleanba.benchmark.phases import learner_memory
 
 GIB = 2**30
-# LLVM_UNOPTIMIZED as a compile option (this process has it in its XLA_FLAGS too: conftest.py), and XLA's default level
+# LLVM_UNOPTIMIZED as a compile option (this process has it in its XLA_FLAGS too: support.py), and XLA's default level
 UNOPTIMIZED = dict([LLVM_UNOPTIMIZED.removeprefix("--").split("=")])
 OPTIMIZED = {"xla_backend_optimization_level": "3"}
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SLOWDOWN
+from support import SLOWDOWN
 
 from cleanba import cleanba_ppo, xla_cpu
 

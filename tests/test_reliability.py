@@ -14,7 +14,7 @@ import flax
 import jax
 import numpy as np
 import pytest
-from conftest import (
+from support import (
     FAULTY_ENVPOOL,
     SCRIPTS,
     TINY,

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import SCRIPTS, TINY, script_env
+from support import SCRIPTS, TINY, script_env
 
 RECORDER = """
 import sys

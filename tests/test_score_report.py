@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.stats
-from conftest import ROOT
 from matplotlib.image import imread
+from support import ROOT
 from tensorboardX import SummaryWriter
 
 from cleanba import compare_layouts, events, score_report

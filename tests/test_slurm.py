@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SCRIPTS, TINY, run_dir, scalars, script_env
 from slurm_cluster import SlurmCluster
+from support import ROOT, SCRIPTS, TINY, run_dir, scalars, script_env
 
 LAUNCH = [sys.executable, "-m", "cleanba.launch_slurm"]
 

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import (
+from support import (
     LOSS_TAGS,
     SLOWDOWN,
     TINY,

@@ -16,7 +16,7 @@ import time
 
 import flax.serialization
 import pytest
-from conftest import (
+from support import (
     ROOT,
     SCRIPTS,
     TINY,

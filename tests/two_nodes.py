@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import user_environment
 from slurm_cluster import SLURM_CONF, job_tasks, start_munge, stop_daemons, wait_for_job
+from support import user_environment
 
 NODES = ("node0", "node1")
 SUBNET = "10.231.0"
