@@ -1,6 +1,7 @@
-"""What the two learner reference tests (test_ppo_update.py, test_impala_update.py) share: the script's args at tiny
-Atari sizes, a rollout of random frames with episode ends, the script's own state and compiled update, and the
-comparison of its params with the reference's."""
+"""The plain references the learner's tests compare with: GAE and V-trace as loops written from the papers' equations
+(test_advantages.py), random rollouts with episode ends to run them on, and what the two learner reference tests
+(test_ppo_update.py, test_impala_update.py) share: the script's args at tiny Atari sizes, a rollout of random frames,
+the script's own state and compiled update, and the comparison of its params with the reference's."""
 
 from types import SimpleNamespace
 
@@ -10,11 +11,69 @@ import numpy as np
 import tyro
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_advantages import episode_data
 
 T, N, MINIBATCHES = 8, 4, 2
 OBS_SHAPE = (4, 12, 12)  # a small Atari frame stack: the ResNet's convolutions, pools and dense layers all run
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def episode_data(seed, T=40, n=6):
+    """Random rollouts with terminations, truncations and EnvPool's auto-reset step after each of them."""
+    rng = np.random.default_rng(seed)
+    rewards = rng.normal(size=(T, n)).astype(np.float32)
+    values = rng.normal(size=(T + 1, n)).astype(np.float32)
+    terminations = np.zeros((T, n), bool)
+    truncations = np.zeros((T, n), bool)
+    valid = np.ones((T, n), bool)
+    for j in range(n):
+        t = int(rng.integers(0, 2))
+        while t < T:
+            if rng.random() < 0.15:
+                (terminations if rng.random() < 0.5 else truncations)[t, j] = True
+                if t + 1 < T:  # the auto-reset step: reward 0, not learned from
+                    valid[t + 1, j], rewards[t + 1, j] = False, 0.0
+                t += 2
+            else:
+                t += 1
+    valid[0, 0] = False  # a rollout may start on the auto-reset step of the previous one
+    assert terminations.any() and truncations.any()
+    return rewards, values, terminations, truncations, valid
+
+
+def gae_loop(rewards, values, terminations, truncations, gamma, lam):
+    T, n = rewards.shape
+    advantages = np.zeros((T, n))
+    for j in range(n):
+        next_advantage = 0.0
+        for t in reversed(range(T)):
+            ended = terminations[t, j] or truncations[t, j]
+            bootstrap = 0.0 if terminations[t, j] else gamma * values[t + 1, j]  # truncation: value of final obs
+            delta = rewards[t, j] + bootstrap - values[t, j]
+            advantages[t, j] = delta + (0.0 if ended else gamma * lam * next_advantage)
+            next_advantage = advantages[t, j]
+    return advantages
+
+
+def vtrace_loop(values, rewards, terminations, valid, rhos, gamma):
+    """Espeholt et al. 2018, eq. 1 and 4, rho and c clipped at 1, computed backwards episode by episode."""
+    T, n = rewards.shape
+    targets = np.zeros((T, n))
+    advantages = np.zeros((T, n))
+    for j in range(n):
+        for t in reversed(range(T)):
+            if not valid[t, j]:  # the auto-reset step: its target is the value of its obs, the final obs
+                targets[t, j] = values[t, j]
+                continue
+            rho, c = min(1.0, rhos[t, j]), min(1.0, rhos[t, j])
+            discount = 0.0 if terminations[t, j] else gamma
+            if t + 1 < T:
+                next_target, next_value = targets[t + 1, j], values[t + 1, j]
+            else:
+                next_target = next_value = values[T, j]
+            delta = rho * (rewards[t, j] + discount * values[t + 1, j] - values[t, j])
+            targets[t, j] = values[t, j] + delta + discount * c * (next_target - next_value)
+            advantages[t, j] = rho * (rewards[t, j] + discount * next_target - values[t, j])
+    return targets, advantages
 
 
 def make_args(script, extra: list):
@@ -35,7 +94,7 @@ def make_args(script, extra: list):
 
 
 def make_rollout(script, agent, params, seed: int, obs_shape: tuple = OBS_SHAPE, state_size: int = 0):
-    """Random frames with the episode structure of test_advantages (terminations, truncations, invalid auto-reset
+    """Random frames with the episode structure of episode_data (terminations, truncations, invalid auto-reset
     steps), rewards in {-1, 0, 1}, and behaviour log-probabilities near the current policy's, so that some ratios
     (PPO) leave the clip range and some importance weights (IMPALA) are clipped at 1. obs_shape (T, N, ...) float
     observations where it is not the frame stack; state_size: each env's stored recurrent state, random."""

@@ -1,6 +1,6 @@
 """One IMPALA learner iteration of cleanba_impala.py against a plain reference written from the IMPALA paper and
 TorchBeast's learner: minibatch k of an iteration holds the whole sequences of the envs whose id is k modulo
---num-minibatches, the minibatches in a shuffled order; V-trace by a loop (test_advantages.vtrace_loop) on the
+--num-minibatches, the minibatches in a shuffled order; V-trace by a loop (learner_reference.vtrace_loop) on the
 values and importance weights of the params before the minibatch; the loss summed over the minibatch's valid
 samples; global-norm clipping, then PyTorch's RMSProp (epsilon outside the square root) with the learning rate
 annealed per iteration, both written out in numpy. The script computes the same thing in pieces (groups of envs,
@@ -24,8 +24,8 @@ from learner_reference import (
     make_args,
     make_rollout,
     script_learner,
+    vtrace_loop,
 )
-from test_advantages import vtrace_loop
 
 from cleanba import cleanba_impala
 

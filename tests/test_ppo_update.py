@@ -17,11 +17,11 @@ from learner_reference import (
     N,
     T,
     assert_params_match,
+    gae_loop,
     make_args,
     make_rollout,
     script_learner,
 )
-from test_advantages import gae_loop
 
 from cleanba import cleanba_ppo
 
