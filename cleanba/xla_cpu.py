@@ -2,21 +2,22 @@
 inside loops.
 
 The training scripts' IMPALA ResNet uses them only when JAX runs on the CPU; on accelerators it uses nn.Conv and
-nn.max_pool as they are. tests/test_network.py checks both against flax.
+nn.max_pool as they are. tests/test_xla_cpu.py checks both against flax. What each replaces and its speed against
+XLA:CPU's own: docs/performance.md, the ResNet update on XLA:CPU.
 
 - conv_general_dilated: a stride-1 convolution whose forward, input gradient and weight gradient are the C++ kernels
   of cleanba/cpu_kernels.cc (XLA FFI custom calls), built here on first use (cpu_kernels below). XLA:CPU's Eigen
-  convolutions reach 23-37 GFLOP/s on the first convolution's 4 input channels, and run a weight gradient on one
-  thread after moving both operands into a batch-innermost layout, half of a gradient's time (docs/performance.md).
+  convolutions are slow on the first convolution's 4 input channels, and run a weight gradient on one thread after
+  moving both operands into a batch-innermost layout.
   Without the kernels (no C++ compiler), the two gradients are convolutions written in the layout Eigen wants (batch
   first, features last, an HWIO kernel): XLA:CPU transposes other convolutions into it only in the entry
-  computation, not inside a loop's body (jax issue 12868), so lax's own gradients inside lax.scan fell back to a
-  naive kernel, 25-40x slower, and unrolled loops kept every step's buffers alive at once (openxla/xla issue 35719:
-  23.5 GB for the default PPO update). Either way the loops stay rolled and memory follows the minibatch.
-- max_pool: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") without XLA:CPU's slow select_and_scatter, whose
-  gradient was 30% of the default network's gradient time. Its gradient, bitwise select_and_scatter's, is the C++
-  kernel of cpu_kernels.cc where it is built, else the same routing in jax.numpy (a third of select_and_scatter's
-  time, but it recomputes each window's maximum for every position the window covers).
+  computation, not inside a loop's body (jax issue 12868), so lax's own gradients inside lax.scan fall back to a
+  naive kernel, and unrolled loops keep every step's buffers alive at once (openxla/xla issue 35719). Either way the
+  loops stay rolled and memory follows the minibatch.
+- max_pool: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME") without XLA:CPU's slow select_and_scatter. Its
+  gradient, bitwise select_and_scatter's, is the C++ kernel of cpu_kernels.cc where it is built, else the same
+  routing in jax.numpy (slower than the kernel: it recomputes each window's maximum for every position the window
+  covers).
 """
 
 import ctypes

@@ -1,6 +1,6 @@
 """--conv-dtype bfloat16: the ResNet's convolutions in bfloat16, accumulated in float32 (docs/gpu.md). The program a
 GPU runs convolves in bfloat16, forward and backward, and the learner's update stays near float32's. (On the CPU
-the kernels of cpu_kernels.cc compute it: tests/test_network.py.)"""
+the kernels of cpu_kernels.cc compute it: tests/test_xla_cpu.py.)"""
 
 import re
 
