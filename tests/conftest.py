@@ -1,6 +1,8 @@
 """The suite's fixtures and pytest hooks. What the tests share (running a script, reading its logs) is in support.py,
 imported here first: importing it sets the environment every test runs in (the CPU platform, XLA_FLAGS)."""
 
+import os
+
 import pytest
 import support
 
@@ -37,6 +39,14 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file's tests keep their order
+
+
+def pytest_runtest_setup(item):
+    """A test marked needs_root("what for") is skipped, in one line, where this process is not root; under CI=true it
+    runs, and fails on what it lacks."""
+    marker = item.get_closest_marker("needs_root")
+    if marker is not None and os.geteuid() != 0 and not support.IN_CI:
+        pytest.skip(f"needs root: {', '.join(marker.args) or 'see the test'}")
 
 
 @pytest.fixture(autouse=True)

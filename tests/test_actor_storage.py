@@ -96,6 +96,7 @@ def steps(recorded: dict, name: str) -> np.ndarray:
     return stored.reshape(-1, *stored.shape[2:])
 
 
+@pytest.mark.slow
 def test_stored_steps_are_what_envpool_returned(recorded):
     """Rewards (EnvPool's, clipped to their sign), terminations and truncations as each recv() returned them; valid
     False exactly on the step after an episode ended (EnvPool's reset step, whose action is ignored)."""
@@ -111,6 +112,7 @@ def test_stored_steps_are_what_envpool_returned(recorded):
     assert not (r["terminated"] & r["truncated"]).any()
 
 
+@pytest.mark.slow
 def test_episode_ends_follow_the_protocol(recorded):
     """Machado et al.: a lost life ends nothing, only a game over terminates; the IMPALA paper's protocol: a lost life
     terminates the learning episode (EnvPool's episodic_life), the game goes on."""
@@ -127,6 +129,7 @@ def test_episode_ends_follow_the_protocol(recorded):
         np.testing.assert_array_equal(r["terminated"][1:] & ~game_over[1:], life_ends)
 
 
+@pytest.mark.slow
 def test_scores_are_raw_and_per_game(recorded):
     """The returns and lengths the actor reports: raw game rewards (info["reward"], not clipped) summed over a whole
     game (every life) up to its game over or time limit, lengths in valid steps; nothing at other steps."""

@@ -364,6 +364,7 @@ def check_tool_refused(process, *fragments):
         assert fragment in line, (fragment, line)
 
 
+@pytest.mark.needs_root("a mount namespace")
 def test_gpu_compile_without_its_group_is_one_line(tmp_path):
     """python -m cleanba.gpu_compile after the CPU install: JAX's CUDA plugin and NVIDIA's wheels hidden in a mount
     namespace, as if never installed."""

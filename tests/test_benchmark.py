@@ -81,6 +81,7 @@ def check_phase(name: str, figures: dict, batch_size: int, repeats: int, cores_a
         assert min(timings.values()) > 0 and sum(timings.values()) <= 1.25 * rollout, figures
 
 
+@pytest.mark.slow
 def test_every_phase_on_tiny_settings(tmp_path):
     process = benchmark(
         [*QUICK, "--json", "figures.json", "--reference-command", REFERENCE, "--", *TINY["ppo"], *SIZES], tmp_path
@@ -109,6 +110,7 @@ def test_every_phase_on_tiny_settings(tmp_path):
     assert not list(tmp_path.glob("runs"))  # the training runs wrote to a temporary directory, now removed
 
 
+@pytest.mark.slow
 def test_actor_and_learner_on_separate_devices(tmp_path):
     """a0-l1 with IMPALA: the actor phase puts rollouts on another device, the learner runs its mesh there."""
     process = benchmark(
@@ -141,6 +143,7 @@ def test_actor_and_learner_on_separate_devices(tmp_path):
     assert report["ratios"] == {}  # every ratio needs a phase that did not run
 
 
+@pytest.mark.slow
 def test_layers_phase_profiles_every_convolution(tmp_path):
     """--phases layers on a small IMPALA ResNet: every convolution found (3 sequences x 5), timed at the learner's
     micro-batch, grouped by shape, its flops counted from its shapes; no input gradient for the first one."""
@@ -231,6 +234,7 @@ LEARNING_TINY = ["--channels", "4", "--hidden-dim", "16", "--num-steps", "8", "-
 LEARNING_TINY += ["--local-num-envs", "4", "--num-actor-threads", "1", "--log-frequency", "1", "--eval-episodes", "1"]
 
 
+@pytest.mark.slow
 def test_learning_mode_brings_back_the_run_and_its_score(tmp_path):
     """`bash benchmark.sh learning OUTDIR`: the run's event files, checkpoint, log and score table land in OUTDIR. A run
     past LIMIT seconds (here 25, a run of more steps than fit) is SIGTERMed, checkpoints and still leaves its curve

@@ -47,6 +47,7 @@ def verdicts(output: str) -> dict:
     return dict((check, verdict) for verdict, check in re.findall(r"^(PASS|FAIL|SKIP) (\w+):", output, re.M))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_an_untouched_copy_passes_every_check(script, tmp_path):
     process = check_fork(fork_of(script, tmp_path), tmp_path)
@@ -106,6 +107,7 @@ BREAKS = {  # an algorithm edit of cleanba_ppo.py that still trains: (edit, the 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BREAKS))
 def test_an_algorithm_that_breaks_invariance_fails_its_check(case, tmp_path):
     edit, fails, passes = BREAKS[case]
@@ -125,6 +127,7 @@ def test_refuses_a_file_that_is_not_a_fork(tmp_path):
     assert process.returncode == 2 and "--checks speed: not a check; choose among engine" in process.stderr
 
 
+@pytest.mark.slow
 def test_a_signal_stops_its_runs_too(tmp_path):
     """SIGTERM to check_fork alone (as a batch system sends it) ends its training runs as well, promptly: none is
     left training on its own."""

@@ -24,6 +24,8 @@ from support import (
     start_pair,
 )
 
+pytestmark = pytest.mark.slow  # two processes under jax.distributed, each a run
+
 ITERATIONS = 4
 LOCAL_NUM_ENVS = 4  # per process; the d1 reference runs 2 x 4 envs in one process
 LAYOUT = ["--actor-device-ids", "0", "--learner-device-ids", "1", "--num-actor-threads", "1"]

@@ -35,6 +35,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_every_registry_id_is_trained_by_one_script_or_refused_in_one_line():
     process = subprocess.run(
         [sys.executable, "-c", CHECK_ALL], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=900
@@ -77,6 +78,7 @@ CASES = {  # script, env id, flags
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_kind_of_space_trains(case, tmp_path):
     script, env_id, flags = CASES[case]

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import imageio
+import pytest
 import yaml
 from support import ROOT, TINY, check_ok, run_dir, run_script, scalars, script_env
 
@@ -38,6 +39,7 @@ def train_and_save(script, tmp_path, extra=()):
     return process, model
 
 
+@pytest.mark.slow
 def test_training_evaluates_and_records_the_saved_model(script, tmp_path):
     process, _ = train_and_save(script, tmp_path, ["--eval-episodes", 3, "--capture-video"])
     assert "evaluation: 3 episodes" in process.stdout
@@ -50,6 +52,7 @@ def test_training_evaluates_and_records_the_saved_model(script, tmp_path):
     assert video_frames(videos[0]) >= 9  # the reset frame and one per step
 
 
+@pytest.mark.slow
 def test_cli_plays_the_asked_episodes_with_video(tmp_path):
     _, model = train_and_save("impala", tmp_path, ["--eval-episodes", 0])
     assert not (run_dir(tmp_path) / "videos").exists()
@@ -80,6 +83,7 @@ def test_cli_plays_the_asked_episodes_with_video(tmp_path):
     assert all(video_frames(video) - 1 in lengths for video in videos)
 
 
+@pytest.mark.slow
 def test_cli_plays_a_checkpoint_as_the_model_of_its_iteration(tmp_path):
     """A run stopped before its end has no .cleanba_model: its checkpoint is evaluated instead. The last
     iteration's checkpoint holds the params the model file holds, so both play the same games."""
@@ -141,6 +145,7 @@ def constant_action_games(action: int, episodes: int, num_envs: int, seed: int) 
     return cartpole_games(lambda obs, starts: np.full(num_envs, action), episodes, num_envs, seed)
 
 
+@pytest.mark.slow
 def test_cli_plays_the_params_of_the_model(tmp_path):
     """Two models whose policy heads always pick action 0, and always action 1 (zero weights, a bias of +-10):
     the CLI's greedy games are, length for length, those of a plain loop playing that action, so the evaluation
@@ -195,6 +200,7 @@ def lstm_greedy_games(params, train_args: dict, episodes: int, num_envs: int, se
     return cartpole_games(choose, episodes, num_envs, seed)
 
 
+@pytest.mark.slow
 def test_cli_carries_the_recurrent_state_of_an_lstm_model(tmp_path):
     """An --lstm model whose policy head reads only the LSTM's hidden state (weights scaled up, zero bias): the
     CLI's greedy games are, length for length, those of a plain loop carrying each env's state from step to step
@@ -247,6 +253,7 @@ def constant_box_games(env_id: str, action, episodes: int, num_envs: int, seed: 
     return games
 
 
+@pytest.mark.slow
 def test_continuous_cli_plays_the_clipped_means_or_samples(tmp_path):
     """The continuous script's saved model (Hopper-v4, evaluated at the end of training too), with its policy's means
     forced to (2, -2, 0.5) (zero weights, that bias): greedy, and sampled at a standard deviation of e^-20, the CLI
@@ -302,6 +309,7 @@ def test_continuous_cli_plays_the_clipped_means_or_samples(tmp_path):
     assert command in card, card
 
 
+@pytest.mark.slow
 def test_cli_on_atari_scores_whole_games(tmp_path):
     """Machado protocol: no life-loss signal, so an episode is a whole game of Breakout (5 lives)."""
     process = run_script(
@@ -347,6 +355,7 @@ def test_cli_on_atari_scores_whole_games(tmp_path):
         assert reader.count_frames() == length + 1
 
 
+@pytest.mark.slow
 def test_hub_folder_and_model_card(tmp_path):
     from cleanba.evaluate import build_hub_folder
 
@@ -399,6 +408,7 @@ def test_upload_without_a_token_is_refused_before_training(tmp_path):
     assert process.returncode == 2 and "add --save-model" in process.stderr
 
 
+@pytest.mark.slow
 def test_cli_plays_a_model_saved_by_an_older_version(tmp_path):
     """Models saved before the run-time size local_rank became process_index still load: args that are no longer
     flags are left out."""

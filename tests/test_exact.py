@@ -147,6 +147,7 @@ def layout_runs(script, env_id, tmp_path) -> dict:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "env_id"), [("ppo", "CartPole-v1"), ("impala", "CartPole-v1"), ("impala", "Breakout-v5")]
 )
@@ -154,6 +155,7 @@ def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
     check_every_layout(script, env_id, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_id", ["CheetahRun-v1"])
 def test_continuous_bitwise_identical_on_every_layout(env_id, tmp_path):
     """cleanba_ppo_continuous.py on a dm_control task (MuJoCo physics, Dict observations): params, losses, curves
@@ -162,6 +164,7 @@ def test_continuous_bitwise_identical_on_every_layout(env_id, tmp_path):
     check_every_layout("ppo_continuous", env_id, tmp_path)
 
 
+@pytest.mark.slow
 def test_lstm_bitwise_identical_on_every_layout(tmp_path):
     """cleanba_impala.py --lstm: each env's recurrent state carried by the actor, stored at each rollout's start and
     unrolled by the learner leaves params, losses and curves the same bit for bit on every layout, thread split and
@@ -209,6 +212,7 @@ def check_every_layout(script, env_id, tmp_path):
     assert "bitwise identical" in report.stdout, report.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "env_id"),
     [("ppo", "CartPole-v1"), ("impala", "MiniGrid-MemoryS7-v0")],

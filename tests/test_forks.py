@@ -52,6 +52,7 @@ def forked_script(patch: str, directory) -> str:
 
 # The Nature CNN's run is mostly its convolutions (XLA's own, not the scripts' kernels), which LLVM's optimizations
 # (support.py) make more than twice as fast: it runs with XLA's defaults.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "patch", [pytest.param(p, marks=[pytest.mark.xla_default] * (p == "nature_cnn")) for p in FORKS]
 )
@@ -98,6 +99,7 @@ def test_fork_edit_trains_on_two_layouts(patch, tmp_path):
         assert "eval/episodic_return" in scalars(run_dir(tmp_path / "a0-l0"))
 
 
+@pytest.mark.slow
 def test_impala_kl_penalty_has_a_gradient_and_the_entropy_coefficient_follows_state_step(tmp_path):
     """docs/forking.md's IMPALA recipe: the KL term built from newlogprobs with their gradient changes what is
     learned (from IMPALA's stop-gradient logratio it would add a constant: the same params as without it), and the

@@ -100,6 +100,7 @@ HEADLINE = {  # name: (flags, processes)
 
 # Each script on a0-l0 (its flops) and on one multi-GPU layout, each layout compiled by one script or both: the
 # sharding over learner GPUs is the engine's, the same in both scripts, and -d2 adds the all-reduce across two hosts.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "layout"),
     [("ppo", "a0-l0"), ("ppo", "a0-l1,2,3"), ("impala", "a0-l0"), ("impala", "a0-l1,2,3-d2")],
@@ -126,6 +127,7 @@ def test_default_sizes_compile_for_a100_on_every_headline_layout(script, layout)
     assert re.search(r"compute bound .*: [\d,]+ env steps/s", process.stdout), process.stdout
 
 
+@pytest.mark.slow
 def test_lstm_compiles_for_a100():
     """IMPALA --lstm on Breakout at the defaults, a0-l0: GPU code that fits, whose flops are the ResNet's and the
     LSTM's (4 gates of 256 over the torso's 256 features and the hidden 256, per observation, T + 1 per env)."""
@@ -155,6 +157,7 @@ def mlp_update_flops_per_step(obs: int = 11, actions: int = 3) -> float:
     return forward * (steps + 1) / steps + epochs * 3 * forward
 
 
+@pytest.mark.slow
 def test_continuous_script_compiles_for_a100():
     """cleanba_ppo_continuous.py on Hopper-v4 at its defaults, a0-l0: GPU code that fits, no convolutions, and the
     flops of its two MLPs."""
@@ -167,6 +170,7 @@ def test_continuous_script_compiles_for_a100():
     assert 0.85 < counted / mlp_update_flops_per_step() < 1.15, process.stdout
 
 
+@pytest.mark.slow
 def test_h100_memory_levers():
     """H100 on a0-l0: PPO fits, with 4 accumulation steps it needs clearly less, and --exact (deterministic GPU ops)
     compiles and fits too, its policy the one the run uses: --group-envs (8) envs at a time, not the thread's 64.

@@ -105,6 +105,7 @@ SIGNS = {
 }
 
 
+@pytest.mark.needs_root("a mount namespace")
 @pytest.mark.parametrize(("sign", "script"), [(sign, "ppo") for sign in SIGNS] + [("driver", "impala")])
 def test_gpu_node_with_the_cpu_install_stops_before_training(sign, script, tmp_path):
     """The README's training line on a GPU node after the CPU install: one line naming the GPU it saw, the GPU
@@ -121,6 +122,7 @@ def test_gpu_node_with_the_cpu_install_stops_before_training(sign, script, tmp_p
     assert startup.GPU_INSTALL in quick_start, quick_start  # the line names the README's own command
 
 
+@pytest.mark.needs_root("a mount namespace")
 @pytest.mark.parametrize("choice", [{"JAX_PLATFORMS": "cpu"}, {"CUDA_VISIBLE_DEVICES": ""}])
 def test_a_gpu_node_trains_on_the_cpu_when_told(choice, tmp_path):
     """JAX_PLATFORMS=cpu (the way the refusal names), or every GPU hidden: the run trains, and its start line says
@@ -177,6 +179,7 @@ print(jax.default_backend(), getattr(sys.modules.get("jax_plugins.xla_cuda12"), 
 """
 
 
+@pytest.mark.needs_root("a mount namespace")
 @pytest.mark.parametrize(("gpu", "platforms"), [(None, None), (None, "cpu"), (FAKE_GPU, None)])
 def test_the_scripts_leave_the_cuda_plugin_to_jax_where_the_machine_shows_a_gpu(gpu, platforms, tmp_path):
     """What a script's start-up tells JAX: where the machine shows no GPU (JAX_PLATFORMS unset or cpu), a stand-in

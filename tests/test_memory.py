@@ -37,6 +37,7 @@ SMALL_ATARI = ["--local-num-envs", "8", "--num-actor-threads", "1", "--num-steps
 NARROW = ["--channels", "4", "4", "4", "--hidden-dim", "16"]
 
 
+@pytest.mark.slow
 def test_memory_figures_do_not_depend_on_llvm_optimizations():
     """The same figures from the default compile and from one with LLVM's optimizations off (PPO on Breakout through
     a narrow ResNet, 8 envs x 32 steps, 2 micro-batches)."""
@@ -45,6 +46,7 @@ def test_memory_figures_do_not_depend_on_llvm_optimizations():
     assert default == unoptimized and default["update_temp_mib"] > 0, (default, unoptimized)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("script", "extra"), [("ppo", []), ("impala", ["--lstm"])], ids=["ppo", "impala-lstm"])
 def test_learner_memory_follows_the_minibatch(script, extra):
     """IMPALA's with --lstm: its minibatches, micro-batches and --exact groups are those of the feed-forward update
@@ -66,6 +68,7 @@ def test_learner_memory_follows_the_minibatch(script, extra):
     assert exact["update_temp_mib"] < 0.5 * whole["update_temp_mib"], (exact, whole)
 
 
+@pytest.mark.slow
 def test_continuous_memory_counts_its_rollout():
     """The continuous script's learner figures (Hopper-v4, an MLP): twice the steps per rollout add exactly the bytes
     of the extra rollout fields, as rollout_fields gives them for the env's spaces, to the update's arguments."""
@@ -130,6 +133,8 @@ def run_limited(prefix: list, flags: list, tmp_path: Path):
     )
 
 
+@pytest.mark.needs_root("a memory cgroup")
+@pytest.mark.slow
 def test_a_learner_that_cannot_fit_is_refused_before_training(tmp_path):
     """The default PPO update (XLA's analysis: about 11.9 GiB with its rollouts) in a job limited to 4 GiB: refused
     with exit 2 before any env steps, with the figures and an accumulation that XLA says fits; a small Atari run

@@ -66,6 +66,7 @@ def load_checkpoint_file(path):
 
 
 # the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["impala"])
 def test_actor_fault_ends_the_run(script, tmp_path):
     start_time = time.time()
@@ -81,6 +82,7 @@ def test_actor_fault_ends_the_run(script, tmp_path):
 
 
 # the engine's signal handling: each signal on one script
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "signum"), [("ppo", signal.SIGINT), ("impala", signal.SIGTERM)], ids=["ppo-SIGINT", "impala-SIGTERM"]
 )
@@ -97,6 +99,7 @@ def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
     assert not list((tmp_path / "runs" / "sig").glob("*.tmp"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "receivers"),
     [(signal.SIGINT, (0, 1)), (signal.SIGTERM, (0,))],
@@ -153,6 +156,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     assert payload["iteration"] == 1 and np.array_equal(payload["data"], np.arange(1000))
 
 
+@pytest.mark.slow
 def test_kill_during_checkpointing_leaves_a_readable_checkpoint(tmp_path):
     """kill -9 at arbitrary moments of a run that checkpoints every iteration: the checkpoint always loads."""
     path = tmp_path / "runs" / "kill" / "checkpoint.msgpack"
@@ -173,6 +177,7 @@ def test_kill_during_checkpointing_leaves_a_readable_checkpoint(tmp_path):
 
 
 # the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo"])
 def test_resume_continues_the_run(script, tmp_path):
     module = importlib.import_module(f"cleanba.cleanba_{script}")
@@ -322,6 +327,7 @@ def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_pa
 
 # Both lag settings, each resumed one of the two ways (the way does not change what follows the resume), each on
 # one script (the engine's resume is the same in every script: tests/test_engine.py).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "concurrency", "how", "env"),
     [("ppo", "--concurrency", ["--resume"], None), ("impala", "--no-concurrency", [], {"SLURM_RESTART_COUNT": "1"})],
@@ -344,6 +350,7 @@ def test_resuming_a_finished_run_ends_at_once(script, concurrency, how, env, tmp
 
 
 # the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["impala"])
 def test_signal_after_the_last_iteration_leaves_its_checkpoint(script, tmp_path):
     """SIGTERM while the trained model is evaluated, after the last iteration (5, no multiple of the checkpoint
@@ -368,6 +375,7 @@ def test_signal_after_the_last_iteration_leaves_its_checkpoint(script, tmp_path)
     assert "nothing to train" in resumed.stdout and final in resumed.stdout, resumed.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo", "impala", "ppo_continuous"])
 def test_resume_continues_the_straight_run_bit_for_bit(script, tmp_path):
     """A run resumed from the checkpoint of iteration k ends with the straight run's final params, bit for bit: the

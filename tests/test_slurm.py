@@ -77,6 +77,8 @@ def cluster(tmp_path_factory):
 
 
 # the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.needs_root("a SLURM cluster of its own daemons")
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo"])
 def test_two_task_job_on_real_slurm(cluster, script, tmp_path):
     """Each task uses ids 0 to 3 of its 4 forced devices (a0-l1,2,3-d2), as a GPU job with --gpus-per-task 4 would:
@@ -169,6 +171,8 @@ def slurm_task_pid(job_name: str) -> int | None:
     return None
 
 
+@pytest.mark.needs_root("a SLURM cluster of its own daemons")
+@pytest.mark.slow
 def test_requeued_job_with_the_default_run_name_resumes(cluster, tmp_path):
     """As a user submits: no --run-name. The run directory's default name under SLURM holds the array job and task
     ids, which a requeue keeps, so the requeued job (SLURM_RESTART_COUNT=1) finds the checkpoint its SIGTERM left

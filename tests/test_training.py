@@ -72,6 +72,7 @@ def layout_run(script, layout, concurrency, tmp_path_factory):
     return _layout_runs[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("concurrency", [False, True], ids=["sync", "concurrent"])
 @pytest.mark.parametrize(("script", "layout"), [(s, layout) for s, names in SCRIPT_LAYOUTS.items() for layout in names])
 def test_layout_trains_and_logs(script, layout, concurrency, tmp_path_factory):
@@ -105,6 +106,7 @@ def test_layout_trains_and_logs(script, layout, concurrency, tmp_path_factory):
     assert lag == ([0] + [1] * (ITERATIONS - 1) if concurrency else [0] * ITERATIONS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("concurrency", [False, True], ids=["sync", "concurrent"])
 def test_layout_invariance(script, concurrency, tmp_path_factory):
     """Same seed and global sizes on every layout: the same losses, iteration by iteration."""
@@ -117,12 +119,14 @@ def test_layout_invariance(script, concurrency, tmp_path_factory):
         np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-6, err_msg=layout)
 
 
+@pytest.mark.slow
 def test_determinism_bitwise(script, tmp_path, tmp_path_factory):
     first = first_losses(layout_run(script, "a0-l0", False, tmp_path_factory)[0], LOSS_TAGS, ITERATIONS)
     second = first_losses(tiny_run(script, tmp_path, ["--no-concurrency"])[0], LOSS_TAGS, ITERATIONS)
     np.testing.assert_array_equal(first, second)
 
 
+@pytest.mark.slow
 def test_seed_changes_the_run(script, tmp_path, tmp_path_factory):
     """The invariance and determinism tests are not vacuous: another seed gives other losses."""
     first = first_losses(layout_run(script, "a0-l0", False, tmp_path_factory)[0], LOSS_TAGS, 2)
@@ -131,6 +135,7 @@ def test_seed_changes_the_run(script, tmp_path, tmp_path_factory):
 
 
 # the engine's (tests/test_engine.py holds it the same in every script): one script runs it
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo"])
 @pytest.mark.parametrize("concurrency", [False, True], ids=["sync", "concurrent"])
 def test_many_iterations_multi_device(script, concurrency, tmp_path):
@@ -143,6 +148,7 @@ def test_many_iterations_multi_device(script, concurrency, tmp_path):
     assert logged["stats/learner_policy_version"][-1] == (total, 149)
 
 
+@pytest.mark.slow
 def test_save_model_round_trip(script, tmp_path):
     """The saved model is the trained one: its params are those whose digest the run printed at its end."""
     import importlib
@@ -195,6 +201,7 @@ LEARNING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.xla_default
 @pytest.mark.parametrize(("script", "seed"), [("ppo", 1), ("impala", 2)])  # each seed's run must pass on its own
 def test_learns_cartpole(script, seed, tmp_path):
@@ -213,6 +220,7 @@ def test_learns_cartpole(script, seed, tmp_path):
     assert len(evaluated) == 4 and np.mean(evaluated) >= bounds["eval_floor"], evaluated
 
 
+@pytest.mark.slow
 @pytest.mark.xla_default
 def test_learns_breakout_a_little(tmp_path):
     """Breakout learned in 51,200 steps on a 2-core CPU: IMPALA with a narrow ResNet (channels 4, 8, 8 and 64 hidden
@@ -245,6 +253,7 @@ def test_learns_breakout_a_little(tmp_path):
     assert first < 2.1 and last >= 2.2, (first, last, returns)
 
 
+@pytest.mark.slow
 def test_track_syncs_to_wandb_offline(tmp_path):
     """--track: wandb (offline here, no network) receives the TensorBoard scalars under the run's name."""
     tiny_run("ppo", tmp_path, ["--track", "--wandb-project-name", "cleanba-tests"], iterations=2)
@@ -256,6 +265,7 @@ def test_track_syncs_to_wandb_offline(tmp_path):
         assert tag in records, tag
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("script", "protocol"), [("ppo", "machado"), ("impala", "impala")])
 def test_atari_with_the_resnet(script, protocol, tmp_path):
     """The default path: an Atari game through the IMPALA ResNet (narrow, to stay fast on a CPU)."""
@@ -292,6 +302,7 @@ def test_atari_with_the_resnet(script, protocol, tmp_path):
     assert all(np.isfinite(value) for tag in LOSS_TAGS for _, value in logged[tag])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["ppo", "impala"])
 def test_gradient_accumulation_matches_whole_minibatches(script, tmp_path):
     """Summed micro-batch gradients are the minibatch gradient: the same losses with and without accumulation."""
@@ -305,6 +316,7 @@ def test_gradient_accumulation_matches_whole_minibatches(script, tmp_path):
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("script", "extra"), [("ppo", []), ("impala", ["--num-minibatches", "3"])])
 def test_default_sizes_on_three_learner_devices(script, extra, tmp_path):
     """The README's first command: --learner-device-ids 1 2 3 with the default --local-num-envs (64) and

@@ -30,6 +30,8 @@ from support import (
 )
 from two_nodes import NODES, TwoNodes
 
+pytestmark = [pytest.mark.slow, pytest.mark.needs_root("network namespaces and a 2-node SLURM cluster")]
+
 ITERATIONS = 4
 PORTS = itertools.count(47100)  # coordinator ports on node0, a new one per run
 
