@@ -39,6 +39,7 @@ from cleanba import checkpoint, devices, flags, lifetime, logs, memory, spaces
 from cleanba.flags import fail, flag
 from cleanba.lifetime import Stop, StopTraining, queue_get, queue_put
 from cleanba.logs import Stopwatch
+from cleanba.networks import ConvSequence, LSTMCore
 from cleanba.reductions import Groups, chunked_apply, learner_env_blocks, learner_shapes, make_groups, put_on_learners
 from cleanba.replicas import digest, unreplicate
 
@@ -97,6 +98,8 @@ class Args:
     # ======== ENGINE: the engine's flags, the run's sizes, the rollout's containers
     atari_protocol: Literal["machado", "impala"] = "machado"
     """Atari settings: Machado et al. 2018's (sticky actions) or the IMPALA paper's (life loss)"""
+    frame_stack: int = flag(4, "[1, inf)")
+    """Atari: the frames stacked in each observation (1 with an LSTM, as CleanRL's PQN-LSTM)"""
     gradient_accumulation_steps: int = flag(1, "[1, inf)")
     """split each minibatch into this many micro-batches, gradients summed (saves memory)"""
     exact: bool = False
@@ -108,7 +111,7 @@ class Args:
     exp_name: str = flag(Path(__file__).stem, may_change_on_resume=True)
     """the name of this experiment"""
     run_name: str | None = flag(None, may_change_on_resume=True)
-    """the run directory under runs/ (default: env__exp__seed__ the SLURM job id or the time)"""
+    """the run directory under runs/; without it env__exp__seed__ and the SLURM job id or the time"""
     log_frequency: int = flag(10, "[1, inf)", may_change_on_resume=True)
     """log charts/ and losses/ and print progress every this many iterations (stats/ every one)"""
     track: bool = flag(False, may_change_on_resume=True)
@@ -130,7 +133,7 @@ class Args:
     upload_model: bool = flag(False, may_change_on_resume=True)
     """with --save-model: upload the model and its evaluation to the Hugging Face Hub"""
     hf_repo_id: str | None = flag(None, may_change_on_resume=True)
-    """with --upload-model: the Hub repository (default <user>/<env_id>-<exp_name>-seed<seed>)"""
+    """with --upload-model: the Hub repository; without it <user>/<env_id>-<exp_name>-seed<seed>"""
     distributed: bool = flag(False, may_change_on_resume=True)
     """call jax.distributed.initialize(): several processes, e.g. one per node under SLURM"""
     coordinator_address: str | None = flag(None, may_change_on_resume=True)
@@ -205,61 +208,6 @@ def merge_rollouts(args: Args, rollouts: tuple) -> tuple:
 
 
 # ======== ALGORITHM: the network, IMPALA's loss and update, the hooks
-
-
-def conv_and_pool(channels: int, xla_cpu: bool, dtype):
-    """A 3x3 convolution and a 3x3, stride-2 max pool: on a CPU, xla_cpu.py's (docs/performance.md)."""
-    if not xla_cpu:
-        pool = partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
-        return nn.Conv(channels, (3, 3), dtype=dtype), pool
-    from cleanba import xla_cpu
-
-    conv = nn.Conv(channels, (3, 3), dtype=dtype, conv_general_dilated=xla_cpu.conv_general_dilated)
-    return conv, xla_cpu.max_pool
-
-
-class ResidualBlock(nn.Module):
-    channels: int
-    xla_cpu: bool
-    dtype: type
-
-    @nn.compact
-    def __call__(self, x):
-        y = conv_and_pool(self.channels, self.xla_cpu, self.dtype)[0](nn.relu(x))
-        y = conv_and_pool(self.channels, self.xla_cpu, self.dtype)[0](nn.relu(y))
-        return x + y
-
-
-class ConvSequence(nn.Module):
-    channels: int
-    xla_cpu: bool
-    dtype: type
-
-    @nn.compact
-    def __call__(self, x):
-        conv, max_pool = conv_and_pool(self.channels, self.xla_cpu, self.dtype)
-        x = max_pool(conv(x))
-        block = partial(ResidualBlock, self.channels, self.xla_cpu, self.dtype)
-        return block()(block()(x))
-
-
-class LSTMCore(nn.Module):
-    """(T, n, features) -> (T, n, size) from each env's state (n, 2 * size: cell, then hidden),
-    restarting from zeros where starts (T, n)."""
-
-    size: int
-
-    @nn.compact
-    def __call__(self, features, state, starts):
-        def step(cell, carry, inputs):
-            x, start = inputs
-            carry = jnp.where(start[:, None], 0.0, carry)
-            (c, h), y = cell((carry[:, : self.size], carry[:, self.size :]), x)
-            return jnp.concatenate([c, h], axis=1), y
-
-        scan = nn.scan(step, variable_broadcast="params", split_rngs={"params": False})
-        state, outputs = scan(nn.OptimizedLSTMCell(self.size), state, (features, starts))
-        return outputs, state
 
 
 class Agent(nn.Module):
@@ -424,7 +372,7 @@ def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
     return logits[0], state
 
 
-def sample_actions(logits, keys):
+def sample_actions(args: Args, logits, keys, step):
     """Each env's action, with its own key (Gumbel-max: a softmax sample), and its log-probability."""
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:]))(keys)
     actions = jnp.argmax(logits + gumbel, axis=1)
@@ -504,7 +452,7 @@ def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
 def env_kwargs(args: Args) -> dict:
     if envpool.registration.registry.specs[args.env_id][0] != "envpool.atari":
         return {}
-    common = dict(img_height=84, img_width=84, stack_num=4, frame_skip=4, reward_clip=True)
+    common = dict(img_height=84, img_width=84, stack_num=args.frame_stack, frame_skip=4, reward_clip=True)
     common["max_episode_steps"] = 27_000  # 108,000 frames
     if args.atari_protocol == "machado":  # Machado et al. 2018, section 5; Cleanba, appendix A
         sticky = dict(repeat_action_probability=0.25, full_action_space=True)
@@ -533,7 +481,7 @@ def make_policy(args: Args, agent, action_key):
         # One key per (global env index, step): the same actions on every layout.
         env_keys = jax.vmap(partial(jax.random.fold_in, action_key))(env_ids)
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(env_keys, step)
-        actions, logprobs = sample_actions(policy_out, keys)
+        actions, logprobs = sample_actions(args, policy_out, keys, step)
         # One device-to-host copy per step (an action index is exact in float32).
         columns = [actions.reshape(actions.shape[0], -1).astype(jnp.float32), logprobs[:, None]]
         return jnp.concatenate(columns, axis=1), state

@@ -103,6 +103,8 @@ class Args:
     # ======== ENGINE: the engine's flags, the run's sizes, the rollout's containers
     atari_protocol: Literal["machado", "impala"] = "machado"
     """Atari settings: Machado et al. 2018's (sticky actions) or the IMPALA paper's (life loss)"""
+    frame_stack: int = flag(4, "[1, inf)")
+    """Atari: the frames stacked in each observation (1 with an LSTM, as CleanRL's PQN-LSTM)"""
     gradient_accumulation_steps: int = flag(1, "[1, inf)")
     """split each minibatch into this many micro-batches, gradients summed (saves memory)"""
     exact: bool = False
@@ -114,7 +116,7 @@ class Args:
     exp_name: str = flag(Path(__file__).stem, may_change_on_resume=True)
     """the name of this experiment"""
     run_name: str | None = flag(None, may_change_on_resume=True)
-    """the run directory under runs/ (default: env__exp__seed__ the SLURM job id or the time)"""
+    """the run directory under runs/; without it env__exp__seed__ and the SLURM job id or the time"""
     log_frequency: int = flag(10, "[1, inf)", may_change_on_resume=True)
     """log charts/ and losses/ and print progress every this many iterations (stats/ every one)"""
     track: bool = flag(False, may_change_on_resume=True)
@@ -136,7 +138,7 @@ class Args:
     upload_model: bool = flag(False, may_change_on_resume=True)
     """with --save-model: upload the model and its evaluation to the Hugging Face Hub"""
     hf_repo_id: str | None = flag(None, may_change_on_resume=True)
-    """with --upload-model: the Hub repository (default <user>/<env_id>-<exp_name>-seed<seed>)"""
+    """with --upload-model: the Hub repository; without it <user>/<env_id>-<exp_name>-seed<seed>"""
     distributed: bool = flag(False, may_change_on_resume=True)
     """call jax.distributed.initialize(): several processes, e.g. one per node under SLURM"""
     coordinator_address: str | None = flag(None, may_change_on_resume=True)
@@ -373,7 +375,7 @@ def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
     return agent.apply(params, obs)[0], state
 
 
-def sample_actions(policy, keys):
+def sample_actions(args: Args, policy, keys, step):
     """Each env's action from its Gaussian, with its own key, and its log-probability."""
     mean, log_std = jnp.split(policy, 2, axis=-1)
     noise = jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(keys)
@@ -477,7 +479,7 @@ def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
 def env_kwargs(args: Args) -> dict:
     if envpool.registration.registry.specs[args.env_id][0] != "envpool.atari":
         return {}
-    common = dict(img_height=84, img_width=84, stack_num=4, frame_skip=4, reward_clip=True)
+    common = dict(img_height=84, img_width=84, stack_num=args.frame_stack, frame_skip=4, reward_clip=True)
     common["max_episode_steps"] = 27_000  # 108,000 frames
     if args.atari_protocol == "machado":  # Machado et al. 2018, section 5; Cleanba, appendix A
         sticky = dict(repeat_action_probability=0.25, full_action_space=True)
@@ -506,7 +508,7 @@ def make_policy(args: Args, agent, action_key):
         # One key per (global env index, step): the same actions on every layout.
         env_keys = jax.vmap(partial(jax.random.fold_in, action_key))(env_ids)
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(env_keys, step)
-        actions, logprobs = sample_actions(policy_out, keys)
+        actions, logprobs = sample_actions(args, policy_out, keys, step)
         # One device-to-host copy per step (an action index is exact in float32).
         columns = [actions.reshape(actions.shape[0], -1).astype(jnp.float32), logprobs[:, None]]
         return jnp.concatenate(columns, axis=1), state

@@ -138,7 +138,7 @@ def evaluate(
     envs = envpool.make(train_args.env_id, "gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed, **kwargs)
     spec = envs.spec
     agent = module.make_network(train_args, spec.action_space)
-    act = spaces.make_eval_policy(module, agent, greedy)
+    act = spaces.make_eval_policy(module, agent, greedy, train_args)
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
     scores, resetting = GameScores(num_envs), np.zeros(num_envs, bool)

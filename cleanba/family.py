@@ -17,5 +17,6 @@ FAMILY = {
     "ppo": Script(CLEANBA / "cleanba_ppo.py", "Discrete"),
     "impala": Script(CLEANBA / "cleanba_impala.py", "Discrete"),
     "ppo_continuous": Script(CLEANBA / "cleanba_ppo_continuous.py", "Box"),
+    "pqn": Script(CLEANBA / "cleanba_pqn.py", "Discrete"),
 }
 SCRIPTS = {name: script.path for name, script in FAMILY.items()}

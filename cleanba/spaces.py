@@ -169,13 +169,13 @@ def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, cap
 # ---- The network's contract: what the actors, the learner and the evaluation need of its outputs
 
 
-def make_eval_policy(module, agent, greedy: bool):
+def make_eval_policy(module, agent, greedy: bool, train_args):
     """(params, obs, recurrent state, starts, key) -> (actions, the next recurrent state), through the script's
     policy_step, as its actors step (the state restarts where starts, an episode's first obs): actions sampled by the
-    script's own sample_actions (each env with its own key, as its actors sample), or with greedy its most likely
-    action: discrete scripts' networks give logits (greedy: their argmax), Box scripts' a Gaussian's means then log
-    standard deviations (greedy: the means). EnvPool is sent them through the script's env_actions (clipped to a
-    Box)."""
+    script's own sample_actions (each env with its own key, as its actors sample, at the training run's last step:
+    PQN's final epsilon), or with greedy its most likely action: discrete scripts' networks give logits or Q-values
+    (greedy: their argmax), Box scripts' a Gaussian's means then log standard deviations (greedy: the means). EnvPool
+    is sent them through the script's env_actions (clipped to a Box)."""
     import jax
     import jax.numpy as jnp
 
@@ -183,7 +183,8 @@ def make_eval_policy(module, agent, greedy: bool):
     def act(params, obs, state, starts, key):
         policy, state = module.policy_step(agent, params, obs, state, starts)
         if not greedy:
-            return module.sample_actions(policy, jax.random.split(key, obs.shape[0]))[0], state
+            keys, last_step = jax.random.split(key, obs.shape[0]), train_args.num_iterations * train_args.num_steps
+            return module.sample_actions(train_args, policy, keys, last_step)[0], state
         if module.ACTION_SPACE == "Box":
             return jnp.split(policy, 2, axis=1)[0], state
         return jnp.argmax(policy, axis=1), state
@@ -213,7 +214,7 @@ def check_network(module, train_args, params):
         agent = module.make_network(train_args, spec.action_space)
         state = jax.ShapeDtypeStruct((2, module.recurrent_state_size(train_args)), np.float32)
         starts = jax.ShapeDtypeStruct((2,), bool)
-        act = make_eval_policy(module, agent, greedy=False)
+        act = make_eval_policy(module, agent, greedy=False, train_args=train_args)
         actions, _ = jax.eval_shape(act, params, obs, state, starts, jax.random.key(0))
         policy, values = jax.eval_shape(agent.apply, params, obs)
     except Exception as error:

@@ -4,13 +4,7 @@ imported here first: importing it sets the environment every test runs in (the C
 import os
 
 import pytest
-import support
-
-# tests/test_engine.py and tests/digest_matrix.py import these from here.
-from support import ROOT as ROOT
-from support import SCRIPTS as SCRIPTS
-from support import script_command as script_command
-from support import script_env as script_env
+import support  # first: its environment, set at import
 
 # The test files, the longest first: pytest-xdist hands whole files to its two workers in this order (pyproject.toml),
 # so the last ones to start are short. Files not named follow. Their times on CI's machine:

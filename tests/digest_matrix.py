@@ -22,7 +22,7 @@ from itertools import product
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import script_command, script_env
+from support import script_command, script_env
 
 ITERATIONS = 6
 SIZES = {  # (script, env): flags, steps per env per iteration

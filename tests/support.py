@@ -68,6 +68,21 @@ TINY = {
         "--log-frequency",
         "1",
     ],
+    "pqn": [
+        "--env-id",
+        "CartPole-v1",
+        "--mlp-widths",
+        "16",
+        "16",
+        "--num-steps",
+        "16",
+        "--num-minibatches",
+        "2",
+        "--update-epochs",
+        "2",
+        "--log-frequency",
+        "1",
+    ],
 }
 
 

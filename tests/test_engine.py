@@ -12,7 +12,7 @@ import re
 import tokenize
 
 import pytest
-from conftest import ROOT, SCRIPTS
+from support import ROOT, SCRIPTS
 
 from cleanba.check_fork import split
 

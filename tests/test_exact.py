@@ -75,8 +75,14 @@ SIZES = {  # per (script, env): flags, steps per env per iteration
         ["--lstm", "--lstm-size", "16", "--hidden-dim", "16", "--num-steps", "16", "--num-minibatches", "2"],
         16,
     ),
+    # PQN's LSTM: the learner's Q(lambda) targets from every env's unrolled sequence, epochs of env sets.
+    ("pqn", "MiniGrid-MemoryS7-v0"): (
+        ["--lstm", "--lstm-size", "16", "--mlp-widths", "16", "--num-steps", "16", "--num-minibatches", "2"],
+        16,
+    ),
 }
 NORMALIZER_CURVES = ["normalizer/return_std", "normalizer/obs_std_mean", "normalizer/obs_count"]
+PQN_CURVES = ["losses/q_values", "losses/targets"]  # PQN's loss has no policy, value or entropy terms
 DEVICES = 4
 LAYOUTS = {
     "a0-l0": [],
@@ -112,7 +118,7 @@ def exact_args(script, env_id, threads, envs=ENVS):
 
 def curves(directory) -> dict:
     logged = scalars(directory)
-    tags = CURVES + [tag for tag in NORMALIZER_CURVES if tag in logged]
+    tags = [tag for tag in CURVES + PQN_CURVES + NORMALIZER_CURVES if tag in logged]
     return {tag: np.array([value for _, value in logged[tag]], np.float32) for tag in tags}
 
 
@@ -149,7 +155,8 @@ def layout_runs(script, env_id, tmp_path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("script", "env_id"), [("ppo", "CartPole-v1"), ("impala", "CartPole-v1"), ("impala", "Breakout-v5")]
+    ("script", "env_id"),
+    [("ppo", "CartPole-v1"), ("impala", "CartPole-v1"), ("impala", "Breakout-v5"), ("pqn", "MiniGrid-MemoryS7-v0")],
 )
 def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
     check_every_layout(script, env_id, tmp_path)
@@ -189,6 +196,7 @@ def check_every_layout(script, env_id, tmp_path):
             assert logged[tag].tobytes() == reference[tag].tobytes(), (name, tag, logged[tag], reference[tag])
         assert set(digests) == {digest}, (name, digests, digest)
     # The report a user runs on two such runs says so.
+    compared = [tag for tag in CURVES + PQN_CURVES if tag in reference]
     report = subprocess.run(
         [
             sys.executable,
@@ -197,7 +205,7 @@ def check_every_layout(script, env_id, tmp_path):
             run_dir(tmp_path / "a0-l0"),
             run_dir(tmp_path / "d2" / "rank0"),
             "--tags",
-            *CURVES,
+            *compared,
             "--out",
             tmp_path / "cmp.png",
         ],
@@ -208,21 +216,21 @@ def check_every_layout(script, env_id, tmp_path):
         timeout=300,
     )
     check_ok(report)
-    assert report.stdout.count("max |a - b| = 0,") == len(CURVES), report.stdout
+    assert report.stdout.count("max |a - b| = 0,") == len(compared), report.stdout
     assert "bitwise identical" in report.stdout, report.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "env_id"),
-    [("ppo", "CartPole-v1"), ("impala", "MiniGrid-MemoryS7-v0")],
-    ids=["ppo", "impala-lstm"],
+    [("ppo", "CartPole-v1"), ("pqn", "MiniGrid-MemoryS7-v0")],
+    ids=["ppo", "pqn-lstm"],
 )
 def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
     """A checkpoint resumed on a0-l1,2 trains what it trains resumed on a0-l0, bit for bit: a requeued job may land
     on another device count (--learner-device-ids may change on resume). With --lstm the actors start every env's
     recurrent state from zeros at a resume, as the envs restart from a reset. The resume is the engine's, the same
-    in every script (tests/test_engine.py): PPO's runs check it, IMPALA's with --lstm the recurrent state besides."""
+    in every script (tests/test_engine.py): PPO's runs check it, PQN's with --lstm the recurrent state besides."""
     import shutil
     import signal
 
@@ -246,7 +254,7 @@ def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
         runs[name] = curves(run_dir(tmp_path / name)), final_digests(process.stdout)
     (reference, digest), (logged, digests) = runs["a0-l0"], runs["a0-l1,2"]
     assert len(reference["stats/params_checksum"]) == iterations  # the stopped run's iterations, then the resumed
-    for tag in CURVES:
+    for tag in reference:
         assert logged[tag].tobytes() == reference[tag].tobytes(), (tag, logged[tag], reference[tag])
     assert digests == digest and len(digest) == 1
 

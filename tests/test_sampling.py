@@ -54,6 +54,8 @@ def tiny_flags(script: str) -> list:
     """The script's tiny flags at STEPS steps per rollout, THREADS x ENVS envs, ITERATIONS rollouts."""
     flags = list(TINY[script])
     flags[flags.index("--num-steps") + 1] = STEPS
+    if script == "pqn":  # epsilon 1 throughout: every action a draw of the env's own key, none the greedy one
+        flags += ["--end-e", "1.0"]
     return [*flags, "--num-actor-threads", THREADS, "--local-num-envs", ENVS, "--log-frequency", ITERATIONS]
 
 
