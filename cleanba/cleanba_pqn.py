@@ -326,8 +326,10 @@ def pqn_loss(agent: Agent, args: Args, params, batch: dict, count):
     q_taken = jnp.take_along_axis(q, batch["actions"][..., None], axis=-1)[..., 0]
     td_loss = 0.5 * (q_taken - batch["targets"]) ** 2
     metrics = dict(loss=td_loss, q_values=q_taken, targets=batch["targets"])
-    # A dot is one op, summed in one order on every layout.
-    metrics = {k: jnp.vdot(v, batch["valid"]) / count for k, v in metrics.items()}
+    # A dot is one op, summed in one order on every layout; the barrier keeps XLA from folding the
+    # loss's producers into it, which changed the order with the group's position.
+    valid = batch["valid"]
+    metrics = {k: jnp.vdot(*jax.lax.optimization_barrier((v, valid))) / count for k, v in metrics.items()}
     return metrics["loss"], metrics
 
 

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from cleanba.startup import hide_cuda_plugin
+from cleanba.startup import hide_cuda_plugin, known_env
 
 if __name__ == "__main__":  # the program, not a module imported by a test or a tool
     hide_cuda_plugin()  # before anything imports JAX: no CUDA plugin noise where the machine has no GPU
@@ -130,6 +130,7 @@ def evaluate(
     import envpool
     import jax
 
+    known_env(train_args.env_id)  # its family registered: the scripts' start registers only their own
     num_envs = max(1, min(num_envs, episodes))
     # Training envs are seeded seed + 0 .. num_envs - 1; start after them so evaluation plays unseen envs.
     seed = train_args.seed + train_args.num_envs if seed is None else seed

@@ -6,7 +6,6 @@ the commands': one line, exit status 2.
 """
 
 import ast
-import importlib
 import inspect
 import itertools
 import os
@@ -19,6 +18,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 import tyro
+
+from cleanba.startup import known_env
 
 
 def fail(message: str, program: str | None = None):
@@ -91,8 +92,6 @@ def parse_flags(args_class, doc: str):
 def check_flags(args):
     """The checks every script shares: every numeric flag in its range (NaN is in none), device ids, and the flags
     that only act together with another."""
-    import envpool  # here, not at the top: the tools that only refuse input (fail) need none of it
-
     for name, interval in flag_ranges(args).items():
         if not in_range(getattr(args, name), interval):
             fail(
@@ -128,9 +127,7 @@ def check_flags(args):
             f"--process-id={args.process_id} must be in 0..{args.num_processes - 1} for --num-processes="
             f"{args.num_processes}"
         )
-    if args.env_id not in envpool.list_all_envs():
-        importlib.import_module("envpool.entry")  # every family EnvPool ships; startup registers the scripts' own
-    if args.env_id not in envpool.list_all_envs():
+    if not known_env(args.env_id):
         fail(
             f"--env-id={args.env_id} is not an EnvPool env; see envpool.list_all_envs() (e.g. Breakout-v5, CartPole-v1)"
         )

@@ -48,6 +48,16 @@ LIBRARY_PACKAGES = {
 ENVPOOL_FAMILIES = ("envpool.atari.registration", "envpool.classic_control.registration")
 
 
+def known_env(env_id: str) -> bool:
+    """Whether EnvPool has env_id: among the families import_envpool registered or, for another id, among every
+    family EnvPool ships (registered then, by importing envpool.entry)."""
+    import envpool
+
+    if env_id not in envpool.list_all_envs():
+        importlib.import_module("envpool.entry")
+    return env_id in envpool.list_all_envs()
+
+
 def import_envpool():
     """Import EnvPool with ENVPOOL_FAMILIES registered; `import envpool.entry` registers all the others."""
     if "envpool" in sys.modules:

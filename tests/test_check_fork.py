@@ -59,7 +59,8 @@ def test_an_untouched_copy_passes_every_check(script, tmp_path):
     digests = re.findall(r"params sha256 (\w+)", process.stdout)
     assert len(digests) == 3 and digests[0] == digests[1] != digests[2], process.stdout  # resume: other envs
     counts = [int(n) for n in re.findall(r"the same (\d+) logged values", process.stdout)]
-    assert counts[0] == counts[1] >= 12 and counts[2] >= 10, process.stdout
+    logged = 9 if script == "pqn" else 12  # PQN's loss logs 3 values, the others' 6
+    assert counts[0] == counts[1] >= logged and counts[2] >= logged - 2, process.stdout
     lag = re.search(r"PASS lag: the logged lag is (.*)", process.stdout).group(1)
     assert "0 with --no-concurrency" in lag and "1 with --concurrency" in lag
 

@@ -269,7 +269,8 @@ MAY_CHANGE_ON_RESUME = {
 }
 LEARNED = {  # every other flag: what is learned
     "common": [
-        *["env_id", "atari_protocol", "total_timesteps", "seed", "learning_rate", "anneal_lr", "num_steps", "gamma"],
+        *["env_id", "atari_protocol", "frame_stack", "total_timesteps", "seed", "learning_rate", "anneal_lr"],
+        *["num_steps", "gamma"],
         *["num_minibatches", "ent_coef", "vf_coef", "max_grad_norm", "channels", "hidden_dim", "conv_dtype"],
         *["concurrency", "gradient_accumulation_steps", "exact", "group_envs"],
     ],

@@ -198,12 +198,21 @@ LEARNING = {
         ["--local-num-envs", "16", "--num-minibatches", "2", "--total-timesteps", "120000", "--learning-rate", "3e-3"],
         dict(target=400, within=70_000, floor=150, eval_floor=100),
     ),
+    # PQN's seeds 1 to 7 on a 2-core Intel Xeon (family 6, model 207): 500 first at 53k-80k steps, last-quarter means
+    # 498.9-500. Evaluated with epsilon-greedy play at the run's final epsilon.
+    "pqn": (
+        [
+            *["--local-num-envs", "8", "--num-steps", "64", "--total-timesteps", "150000", "--learning-rate", "2.5e-3"],
+            *["--end-e", "0.02", "--exploration-fraction", "0.1"],
+        ],
+        dict(target=500, within=110_000, floor=450, eval_floor=400),
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.xla_default
-@pytest.mark.parametrize(("script", "seed"), [("ppo", 1), ("impala", 2)])  # each seed's run must pass on its own
+@pytest.mark.parametrize(("script", "seed"), [("ppo", 1), ("impala", 2), ("pqn", 1)])  # each must pass alone
 def test_learns_cartpole(script, seed, tmp_path):
     flags, bounds = LEARNING[script]
     common = ["--num-actor-threads", "1", "--hidden-dim", "64", "--log-frequency", "5", "--seed", str(seed)]
