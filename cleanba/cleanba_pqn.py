@@ -326,16 +326,15 @@ def pqn_loss(agent: Agent, args: Args, params, batch: dict, count):
     q_taken = jnp.take_along_axis(q, batch["actions"][..., None], axis=-1)[..., 0]
     td_loss = 0.5 * (q_taken - batch["targets"]) ** 2
     metrics = dict(loss=td_loss, q_values=q_taken, targets=batch["targets"])
-    # A dot is one op, summed in one order on every layout; the barrier keeps XLA from folding the
-    # loss's producers into it, which changed the order with the group's position.
+    # Dots behind a barrier: one op, summed in one order on every layout (with the loss's producers
+    # fused in, the order followed the group's position).
     valid = batch["valid"]
     metrics = {k: jnp.vdot(*jax.lax.optimization_barrier((v, valid))) / count for k, v in metrics.items()}
     return metrics["loss"], metrics
 
 
 def update_minibatch(agent: Agent, args: Args, groups: Groups, data: dict, state, index):
-    """One gradient step on time slices of every env (index: (rows, n)), or with --lstm on the
-    sequences of env set `index`."""
+    """One gradient step on time slices of every env, or with --lstm on the env set `index`."""
     if args.lstm:
         groups = groups.of_env_set(index)
         batch = groups.take(data)
@@ -443,8 +442,8 @@ def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tu
     if args.lstm:  # each epoch: the env sets in a shuffled order
         schedule = jnp.concatenate([jax.random.permutation(k, args.num_minibatches) for k in epochs])
     else:  # (epochs x minibatches, rows, n)
-        env_ids, T = rollout.env_ids[0], args.num_steps
-        schedule = jnp.concatenate([minibatch_time_indices(k, env_ids, T, args.num_minibatches) for k in epochs])
+        ids, T = rollout.env_ids[0], args.num_steps
+        schedule = jnp.concatenate([minibatch_time_indices(k, ids, T, args.num_minibatches) for k in epochs])
     state, metrics = jax.lax.scan(partial(update_minibatch, agent, args, groups, data), state, schedule)
     return state, jax.tree.map(jnp.mean, metrics)
 

@@ -139,5 +139,5 @@ def script_size(text: str) -> dict:
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_a_training_script_is_the_size_of_its_models(script):
     size = script_size(SCRIPTS[script].read_text())
-    over = {name: f"{size[name]:.3g} > {bound}" for name, bound in SIZE_BOUNDS.items() if size[name] > bound}
+    over = {name: f"{size[name]:.4g} > {bound}" for name, bound in SIZE_BOUNDS.items() if size[name] > bound}
     assert not over, f"{SCRIPTS[script].name} is past its size: {over}; cut prose that is not a reason or a source"
