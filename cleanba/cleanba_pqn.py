@@ -39,7 +39,7 @@ from cleanba import checkpoint, devices, flags, lifetime, logs, memory, spaces
 from cleanba.flags import fail, flag
 from cleanba.lifetime import Stop, StopTraining, queue_get, queue_put
 from cleanba.logs import Stopwatch
-from cleanba.networks import ConvSequence, LSTMCore
+from cleanba.networks import ConvSequence, LSTMCore, conv_layer
 from cleanba.reductions import Groups, chunked_apply, learner_env_blocks, learner_shapes, make_groups, put_on_learners
 from cleanba.replicas import digest, unreplicate
 
@@ -258,7 +258,7 @@ class Agent(nn.Module):
                 x = ConvSequence(channels, self.xla_cpu, self.dtype)(x)
             x = nn.relu(x)
         else:
-            conv = partial(nn.Conv, padding="VALID", kernel_init=orthogonal, dtype=self.dtype)
+            conv = partial(conv_layer, self.xla_cpu, padding="VALID", kernel_init=orthogonal, dtype=self.dtype)
             norm = partial(nn.LayerNorm, reduction_axes=(-3, -2, -1), feature_axes=(-3, -2, -1))
             for features, size, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
                 x = nn.relu(norm(dtype=self.dtype)(conv(features, (size, size), (stride, stride))(x)))
@@ -378,12 +378,12 @@ def make_network(args: Args, action_space, platform: str | None = None) -> Agent
 
 
 def recurrent_state_size(args: Args) -> int:
-    """The width of each env's recurrent state: the LSTM's cell and hidden (0 without --lstm)."""
+    """Each env's recurrent state width: the LSTM's cell and hidden (0 without --lstm)."""
     return 2 * args.lstm_size if args.lstm else 0
 
 
 def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
-    """The actors' network step: (q, the next state), the state restarted where starts."""
+    """The actors' step: (q, the next state), the state restarted where starts."""
     if not state.shape[-1]:
         return agent.apply(params, obs)[0], state
     q, _, state = agent.apply(params, obs[None], state, starts[None])
@@ -412,7 +412,7 @@ def env_actions(actions: np.ndarray, action_space) -> np.ndarray:
 
 
 def make_optimizer(args: Args):
-    """Gradient clipping, then RAdam (CleanRL's PQN) with the annealed learning rate."""
+    """Gradient clipping, then RAdam (CleanRL's PQN), the rate annealed."""
     updates_per_iteration = args.update_epochs * args.num_minibatches
 
     def linear_schedule(count):

@@ -35,6 +35,7 @@ import tyro
 
 from cleanba import spaces
 from cleanba.checkpoint import load_model
+from cleanba.family import FAMILY
 from cleanba.flags import check_hub_login, fail
 from cleanba.logs import GameScores
 
@@ -50,7 +51,8 @@ class Args:
     num_envs: int = 8
     """envs played in parallel (at most --episodes); each plays its share of the episodes"""
     greedy: bool = False
-    """take the most likely action instead of sampling from the policy"""
+    """take the most likely action (PQN: the largest Q) instead of sampling as the actors do (PQN: epsilon-greedy at
+    the run's final epsilon)"""
     seed: int | None = None
     """seed of the evaluation envs and action sampling (default: the run's seed, on envs that training never used)"""
     capture_video: bool = False
@@ -189,7 +191,8 @@ def summary(returns: list) -> str:
 def model_card(train_args: dict, returns: list, script_name: str, repo_id: str, videos: list) -> str:
     """A Hub model card: metadata the Hub indexes (model-index results), then how to reproduce and evaluate."""
     env_id, exp_name = train_args["env_id"], train_args["exp_name"]
-    algorithm = "PPO" if "ppo" in script_name else "IMPALA" if "impala" in script_name else script_name
+    known = {script.path.name: script.algorithm for script in FAMILY.values()}
+    algorithm = known.get(script_name, script_name)  # a fork: its file's name
     mean, std = float(np.mean(returns)), float(np.std(returns))
     flags = " ".join(
         f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"

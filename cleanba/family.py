@@ -11,12 +11,13 @@ CLEANBA = Path(__file__).resolve().parent  # cleanba/, which holds the training 
 class Script(NamedTuple):
     path: Path
     action_space: str  # the kind of action space it trains, its ACTION_SPACE: "Discrete" or "Box" (of floats)
+    algorithm: str  # the name a model card gives it
 
 
 FAMILY = {
-    "ppo": Script(CLEANBA / "cleanba_ppo.py", "Discrete"),
-    "impala": Script(CLEANBA / "cleanba_impala.py", "Discrete"),
-    "ppo_continuous": Script(CLEANBA / "cleanba_ppo_continuous.py", "Box"),
-    "pqn": Script(CLEANBA / "cleanba_pqn.py", "Discrete"),
+    "ppo": Script(CLEANBA / "cleanba_ppo.py", "Discrete", "PPO"),
+    "impala": Script(CLEANBA / "cleanba_impala.py", "Discrete", "IMPALA"),
+    "ppo_continuous": Script(CLEANBA / "cleanba_ppo_continuous.py", "Box", "PPO"),
+    "pqn": Script(CLEANBA / "cleanba_pqn.py", "Discrete", "PQN"),
 }
 SCRIPTS = {name: script.path for name, script in FAMILY.items()}

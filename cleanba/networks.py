@@ -5,17 +5,31 @@ docs/performance.md), and an LSTM core over time. Each script composes them in i
 from functools import partial
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+
+
+def convolution(xla_cpu: bool):
+    """The convolution for nn.Conv: on a CPU, xla_cpu.py's, fast inside the learner's loops at any stride."""
+    if not xla_cpu:
+        return jax.lax.conv_general_dilated
+    from cleanba import xla_cpu
+
+    return xla_cpu.conv_general_dilated
+
+
+def conv_layer(xla_cpu: bool, *args, **kwargs) -> nn.Conv:
+    """nn.Conv(*args, **kwargs) with convolution(xla_cpu)."""
+    return nn.Conv(*args, conv_general_dilated=convolution(xla_cpu), **kwargs)
 
 
 def conv_and_pool(channels: int, xla_cpu: bool, dtype):
     """A 3x3 convolution and a 3x3, stride-2 max pool: on a CPU, xla_cpu.py's (docs/performance.md)."""
+    conv = conv_layer(xla_cpu, channels, (3, 3), dtype=dtype)
     if not xla_cpu:
-        pool = partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
-        return nn.Conv(channels, (3, 3), dtype=dtype), pool
+        return conv, partial(nn.max_pool, window_shape=(3, 3), strides=(2, 2), padding="SAME")
     from cleanba import xla_cpu
 
-    conv = nn.Conv(channels, (3, 3), dtype=dtype, conv_general_dilated=xla_cpu.conv_general_dilated)
     return conv, xla_cpu.max_pool
 
 

@@ -1,12 +1,13 @@
-"""The IMPALA ResNet's convolution and max pool for XLA:CPU, with the same values and gradients as flax's, and fast
-inside loops.
+"""The IMPALA ResNet's convolution and max pool, and the Nature CNN's strided convolutions, for XLA:CPU, with the same
+values and gradients as flax's, and fast inside loops.
 
-The training scripts' IMPALA ResNet uses them only when JAX runs on the CPU; on accelerators it uses nn.Conv and
+The training scripts' networks use them only when JAX runs on the CPU; on accelerators they use nn.Conv and
 nn.max_pool as they are. tests/test_xla_cpu.py checks both against flax. What each replaces and its speed against
 XLA:CPU's own: docs/performance.md, the ResNet update on XLA:CPU.
 
-- conv_general_dilated: a stride-1 convolution whose forward, input gradient and weight gradient are the C++ kernels
-  of cleanba/cpu_kernels.cc (XLA FFI custom calls), built here on first use (cpu_kernels below). XLA:CPU's Eigen
+- conv_general_dilated: a convolution whose forward, input gradient and weight gradient are the C++ kernels of
+  cleanba/cpu_kernels.cc (XLA FFI custom calls), built here on first use (cpu_kernels below); a strided one is
+  folded into a stride-1 one first (strided). XLA:CPU's Eigen
   convolutions are slow on the first convolution's 4 input channels, and run a weight gradient on one thread after
   moving both operands into a batch-innermost layout.
   Without the kernels (no C++ compiler), the two gradients are convolutions written in the layout Eigen wants (batch
@@ -130,11 +131,11 @@ def conv_general_dilated(
     precision=None,
     **kwargs,
 ):
-    """jax.lax.conv_general_dilated, with the gradients below for what the IMPALA ResNet uses (stride 1, no
-    dilation, no feature groups, NHWC inputs and HWIO kernels, as nn.Conv passes them); anything else unchanged."""
+    """jax.lax.conv_general_dilated, with the gradients below for NHWC inputs and HWIO kernels (as nn.Conv passes
+    them), no dilation, no feature groups: stride 1 as the IMPALA ResNet, other strides as the Nature CNN (strided);
+    anything else unchanged."""
     plain = (
-        tuple(window_strides) == (1, 1)
-        and all(d in (None, 1, (1, 1)) for d in (lhs_dilation, rhs_dilation))
+        all(d in (None, 1, (1, 1)) for d in (lhs_dilation, rhs_dilation))
         and feature_group_count == 1
         and not kwargs
         and lhs.ndim == 4
@@ -155,11 +156,32 @@ def conv_general_dilated(
             **kwargs,
         )
     if isinstance(padding, str):
-        padding = jax.lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], (1, 1), padding)
+        padding = jax.lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
     padding = tuple(tuple(int(p) for p in pair) for pair in padding)
+    if tuple(window_strides) != (1, 1):
+        lhs, rhs, padding = strided(lhs, rhs, tuple(window_strides), padding)
     if lhs.dtype == rhs.dtype == jnp.bfloat16:  # as a GPU: bfloat16 in and out, accumulated in float32
         return eigen_conv(lhs.astype(jnp.float32), rhs.astype(jnp.float32), padding, precision).astype(jnp.bfloat16)
     return eigen_conv(lhs, rhs, padding, precision)
+
+
+def strided(x, kernel, strides, padding):
+    """The operands of a stride-1 convolution equal to the strided one (space to depth): y[o] = sum_j x[s o + j] k[j]
+    = sum_a sum_b x[s (o + a) + b] k[s a + b], b < s, along each spatial axis. Each s x s block of x's pixels becomes
+    one pixel of s * s * features, and the kernel, zero-padded to a multiple of s, folds the same way."""
+    folded = [-(-k // s) for k, s in zip(kernel.shape[:2], strides)]  # the kernel's size in blocks
+    out = [
+        (size + lo + hi - k) // s + 1 for size, (lo, hi), k, s in zip(x.shape[1:3], padding, kernel.shape[:2], strides)
+    ]
+    # pad (or crop) each axis to the (out - 1 + folded) blocks that the output reads
+    ends = [(o - 1 + f) * s - size - lo for o, f, s, size, (lo, _) in zip(out, folded, strides, x.shape[1:3], padding)]
+    pads = [(0, 0, 0), *[(lo, end, 0) for (lo, _), end in zip(padding, ends)], (0, 0, 0)]
+    x = jax.lax.pad(x, jnp.zeros((), x.dtype), pads)
+    kernel = jnp.pad(kernel, [(0, f * s - k) for f, s, k in zip(folded, strides, kernel.shape[:2])] + [(0, 0)] * 2)
+    (sh, sw), (n, h, w, c), o = strides, x.shape, kernel.shape[3]
+    x = x.reshape(n, h // sh, sh, w // sw, sw, c).transpose(0, 1, 3, 2, 4, 5).reshape(n, h // sh, w // sw, sh * sw * c)
+    kernel = kernel.reshape(folded[0], sh, folded[1], sw, c, o).transpose(0, 2, 1, 3, 4, 5)
+    return x, kernel.reshape(*folded, sh * sw * c, o), ((0, 0), (0, 0))
 
 
 def native(padding, *arrays) -> bool:

@@ -177,6 +177,42 @@ def test_cli_plays_the_params_of_the_model(tmp_path):
     assert games[0] != games[1], games
 
 
+@pytest.mark.slow
+def test_pqn_cli_plays_the_largest_q_or_epsilon_greedy(tmp_path):
+    """A PQN model whose Q head prefers action 0 (zero weights, biases +-10): greedy, and epsilon-greedy at a final
+    epsilon of 0, the CLI plays the games of a plain loop always pushing left; at a final epsilon of 1 (every action
+    a draw) it plays others. Its Hub card names PQN and evaluates with PQN's script."""
+    import jax
+    import numpy as np
+
+    from cleanba.checkpoint import load_model, save_model
+    from cleanba.evaluate import build_hub_folder
+
+    _, model = train_and_save("pqn", tmp_path, ["--eval-episodes", 0])
+    args, params, script = load_model(model)
+
+    def play(end_e: float, greedy: bool) -> list:
+        forced = jax.tree.map(np.array, params)  # a copy
+        (head,) = [layer for layer in forced["params"].values() if np.shape(layer.get("bias")) == (2,)]
+        head["kernel"], head["bias"] = np.zeros_like(head["kernel"]), np.array([10.0, -10.0], np.float32)
+        path = tmp_path / f"forced{end_e}.cleanba_model"
+        save_model(path, script, {**args, "end_e": end_e}, forced)
+        command = [*EVALUATE, path, "--episodes", 6, "--num-envs", 2, "--seed", 7, *["--greedy"] * greedy]
+        process = subprocess.run(
+            list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+        )
+        check_ok(process)
+        return [int(line.rsplit(" ", 1)[1]) for line in process.stdout.splitlines() if line.startswith("episode ")]
+
+    left = constant_action_games(0, 6, 2, seed=7)
+    assert play(0.0, greedy=True) == left and play(0.0, greedy=False) == left
+    assert play(1.0, greedy=True) == left and play(1.0, greedy=False) != left
+    folder = build_hub_folder(tmp_path / "hub", model, ROOT / "cleanba" / script, args, [9.0], [9], [], "me/cartpole")
+    card = (folder / "README.md").read_text()
+    assert "- name: PQN" in card and "# PQN agent playing CartPole-v1" in card, card
+    assert f"--script model/{script}" in card, card
+
+
 def lstm_greedy_games(params, train_args: dict, episodes: int, num_envs: int, seed: int, carry: bool) -> list:
     """A plain loop playing CartPole greedily with an --lstm model through cleanba_impala.policy_step: each env's
     recurrent state carried from step to step and restarted from zeros at each game's first obs (carry=False: from

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support import SLOWDOWN
 
-from cleanba import cleanba_ppo, xla_cpu
+from cleanba import cleanba_ppo, cleanba_pqn, xla_cpu
 
 
 def flax_max_pool(x):
@@ -72,9 +72,9 @@ def require_kernels():
         pytest.skip(status)
 
 
-def conv_and_gradients(conv, padding, x, kernel, dy):
+def conv_and_gradients(conv, padding, x, kernel, dy, strides=(1, 1)):
     def apply(x, kernel):
-        return conv(x, kernel, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return conv(x, kernel, strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
     y, vjp = jax.vjp(apply, x, kernel)
     return y, *vjp(dy)
@@ -124,9 +124,38 @@ def test_conv_matches_lax(shape, padding, kernels):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()), err_msg=name)
 
 
-def loop_program(conv, dtype=jnp.float32) -> str:
+@pytest.mark.parametrize(
+    ("shape", "strides", "padding"),
+    [
+        ((2, 84, 84, 4, 32, 8), (4, 4), "VALID"),  # the Nature CNN's first two convolutions
+        ((3, 20, 20, 32, 64, 4), (2, 2), "VALID"),
+        ((2, 13, 11, 3, 5, 3), (2, 2), "SAME"),  # a kernel that is not a multiple of the stride
+        ((2, 9, 10, 2, 3, 5), (3, 2), ((1, 2), (0, 1))),
+        ((2, 10, 9, 2, 3, 3), (2, 3), ((-1, 0), (2, -1))),  # negative padding crops
+    ],
+)
+def test_strided_conv_matches_lax(shape, strides, padding):
+    """A strided convolution folded into a stride-1 one (space to depth), the kernels computing it: the same values
+    and gradients as XLA's strided convolution, up to float32 rounding."""
+    require_kernels()
+    batch, height, width, features, out, k = shape
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal((batch, height, width, features)).astype(np.float32)
+    kernel = rng.standard_normal((k, k, features, out)).astype(np.float32)
+    lax = partial(jax.lax.conv_general_dilated, dimension_numbers=xla_cpu.EIGEN_LAYOUT)
+    dy = rng.standard_normal(jax.eval_shape(lambda x, k: lax(x, k, strides, padding), x, kernel).shape)
+    dy = dy.astype(np.float32)
+    ours = jax.jit(partial(conv_and_gradients, xla_cpu.conv_general_dilated, padding, strides=strides))
+    assert "cleanba_conv" in ours.lower(x, kernel, dy).as_text()
+    expected = conv_and_gradients(jax.lax.conv_general_dilated, padding, x, kernel, dy, strides)
+    for name, a, b in zip(("y", "dx", "dk"), ours(x, kernel, dy), expected):
+        assert a.shape == b.shape and np.abs(b).sum() > 0, name
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()), err_msg=name)
+
+
+def loop_program(conv, dtype=jnp.float32, agent=None) -> str:
     """The CPU program of the ResNet's gradient inside a rolled lax.scan, with conv as the network's convolution."""
-    agent = cleanba_ppo.Agent(num_actions=4, channels=(4, 8), hidden_dim=16, xla_cpu=True, dtype=dtype)
+    agent = agent or cleanba_ppo.Agent(num_actions=4, channels=(4, 8), hidden_dim=16, xla_cpu=True, dtype=dtype)
     obs = np.random.default_rng(0).integers(0, 255, (3, 2, 4, 42, 42)).astype(np.uint8)  # 3 steps of 2 frames
     params = agent.init(jax.random.key(0), obs[0, :1])
     grad = jax.grad(lambda p, o: jnp.sum(agent.apply(p, o)[0]))
@@ -166,6 +195,19 @@ def test_convolutions_in_a_loop_are_kernels_or_in_eigen_layout(dtype):
     assert len(layouts) == 3 * 10 - 1 and set(layouts) == {"b01f_01io->b01f"}, layouts
     assert "custom_call_target" not in fallback
     assert set(convolution_layouts(loop_program(jax.lax.conv_general_dilated, dtype))) - {"b01f_01io->b01f"}
+
+
+def test_the_nature_cnn_in_a_loop_is_kernels():
+    """PQN's Nature CNN (strides 4, 2, 1) in a rolled gradient loop: each convolution, its weight gradient and the
+    input gradients of the last two are cpu_kernels.cc's custom calls, no XLA convolution (47x the learner's speed
+    on Breakout: docs/performance.md)."""
+    require_kernels()
+    agent = cleanba_pqn.Agent(num_actions=4, channels=(), hidden_dim=16, mlp_widths=(), xla_cpu=True)
+    calls = re.findall(
+        r'custom_call_target="(cleanba_[a-z_]+)"', text := loop_program(xla_cpu.conv_general_dilated, agent=agent)
+    )
+    assert calls.count("cleanba_conv") == 3 + 2 and calls.count("cleanba_conv_weight_gradient") == 3, calls
+    assert not convolution_layouts(text), convolution_layouts(text)
 
 
 def kernels_child(code: str, **env) -> str:
