@@ -76,6 +76,19 @@ def vtrace_loop(values, rewards, terminations, valid, rhos, gamma):
     return targets, advantages
 
 
+def reference_minibatches(shuffle_key, step: int, env_ids, epoch: int) -> list:
+    """The documented order: each env's time steps shuffled with a key of (shuffle key, train step at the start of
+    the iteration, epoch, env id), cut into MINIBATCHES equal parts; minibatch m takes part m of every env.
+    [(time index, env index) arrays]."""
+    key = jax.random.fold_in(jax.random.fold_in(shuffle_key, step), epoch)
+    perms = [np.asarray(jax.random.permutation(jax.random.fold_in(key, int(i)), T)) for i in env_ids]
+    rows = T // MINIBATCHES
+    return [
+        (np.concatenate([p[m * rows : (m + 1) * rows] for p in perms]), np.repeat(np.arange(N), rows))
+        for m in range(MINIBATCHES)
+    ]
+
+
 def make_args(script, extra: list):
     """script: the training script's module. Breakout, a narrow ResNet, N envs of T steps, 3 iterations."""
     args = tyro.cli(
@@ -97,11 +110,11 @@ def make_rollout(script, agent, params, seed: int, obs_shape: tuple = OBS_SHAPE,
     """Random frames with the episode structure of episode_data (terminations, truncations, invalid auto-reset
     steps), rewards in {-1, 0, 1}, and behaviour log-probabilities near the current policy's, so that some ratios
     (PPO) leave the clip range and some importance weights (IMPALA) are clipped at 1. obs_shape (T, N, ...) float
-    observations where it is not the frame stack; state_size: each env's stored recurrent state, random."""
+    observations where it is not a frame stack; state_size: each env's stored recurrent state, random."""
     rng = np.random.default_rng(seed)
     _, _, terminations, truncations, valid = episode_data(seed, T, N)
-    if obs_shape == OBS_SHAPE:
-        obs = rng.integers(0, 256, size=(T + 1, N, *OBS_SHAPE), dtype=np.uint8)
+    if len(obs_shape) == 3:  # frames
+        obs = rng.integers(0, 256, size=(T + 1, N, *obs_shape), dtype=np.uint8)
     else:
         obs = rng.normal(0, 1, size=(T + 1, N, *obs_shape)).astype(np.float32)
     rewards = rng.choice(np.array([-1.0, 0.0, 1.0], np.float32), size=(T, N), p=[0.2, 0.5, 0.3])

@@ -20,25 +20,13 @@ from learner_reference import (
     gae_loop,
     make_args,
     make_rollout,
+    reference_minibatches,
     script_learner,
 )
 
 from cleanba import cleanba_ppo
 
 EPOCHS = 2
-
-
-def reference_minibatches(shuffle_key, step: int, env_ids, epoch: int) -> list:
-    """The documented order: each env's time steps shuffled with a key of (shuffle key, train step at the start of
-    the iteration, epoch, env id), cut into MINIBATCHES equal parts; minibatch m takes part m of every env.
-    [(time index, env index) arrays]."""
-    key = jax.random.fold_in(jax.random.fold_in(shuffle_key, step), epoch)
-    perms = [np.asarray(jax.random.permutation(jax.random.fold_in(key, int(i)), T)) for i in env_ids]
-    rows = T // MINIBATCHES
-    return [
-        (np.concatenate([p[m * rows : (m + 1) * rows] for p in perms]), np.repeat(np.arange(N), rows))
-        for m in range(MINIBATCHES)
-    ]
 
 
 def reference_loss(agent, args, params, obs, actions, logprobs, advantages, returns):

@@ -4,11 +4,23 @@ the global env steps, each env drawing from its own key)."""
 
 import importlib
 
+import gymnasium
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from learner_reference import episode_data
+from learner_reference import (
+    MINIBATCHES,
+    N,
+    T,
+    assert_params_match,
+    episode_data,
+    make_args,
+    make_rollout,
+    reference_minibatches,
+    script_learner,
+)
 
 pqn = importlib.import_module("cleanba.cleanba_pqn")
 
@@ -70,3 +82,121 @@ def test_epsilon_greedy_follows_the_schedule_with_each_envs_own_key(step):
     np.testing.assert_allclose(np.asarray(logprobs), expected, rtol=1e-5)
     alone = [pqn.sample_actions(args, q[i : i + 1], keys[i : i + 1], step)[0][0] for i in range(8)]
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(taken[:8]))
+
+
+# ---- Two learner iterations against a plain reference: the update as CleanRL's PQN and purejaxql write it
+
+
+FRAMES = (4, 36, 36)  # the smallest frame stack the Nature CNN's strided convolutions take
+EPOCHS = 2
+
+
+def reference_optimizer(args):
+    """Global-norm clipping, then RAdam at a rate annealed linearly to 0 from one iteration to the next. RAdam's
+    hyperparameters are float32 arrays, as inject_hyperparams keeps them (the script logs the rate from it): its
+    rectification term, a difference of numbers near 2,000 in early steps, differs from one of Python floats."""
+
+    def rate(count):
+        return args.learning_rate * (1 - (count // (EPOCHS * MINIBATCHES)) / args.num_iterations)
+
+    radam = optax.inject_hyperparams(optax.radam)(learning_rate=rate)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), radam)
+
+
+def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, rollout):
+    """One iteration, the plain way: max Q of every row with the iteration's params, Q(lambda) by the loop above,
+    each epoch's minibatches (time slices of every env, or with --lstm the env sets in a shuffled order, each env's
+    sequence unrolled alone from its stored state), half the mean squared TD error over the valid samples, RAdam
+    after global-norm clipping at the annealed rate. Returns params, optimizer state, step, each step's loss and
+    gradient norm (before clipping)."""
+    rows = [(rollout.obs[:, j : j + 1], rollout.recurrent_state[0, j : j + 1], rollout.valid[:, j]) for j in range(N)]
+
+    def env_q(params, obs, state, valid):  # each env alone: (T + 1, actions)
+        if not args.lstm:
+            return agent.apply(params, obs[:, 0])[0]
+        starts = jnp.concatenate([jnp.zeros(1, bool), ~valid])[:, None]
+        return agent.apply(params, obs, state, starts)[0][:, 0]
+
+    values = np.stack([np.asarray(jax.jit(env_q)(params, *row)).max(axis=1) for row in rows], axis=1)
+    terminal = rollout.terminations, rollout.truncations
+    targets = q_lambda_loop(rollout.rewards, values, *terminal, args.gamma, args.q_lambda).astype(np.float32)
+    optimizer = reference_optimizer(args)
+
+    @jax.jit  # compiled once: run op by op, each op of each parameter's shape compiles on its own
+    def apply_optimizer(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def loss(params, samples):  # samples: (env, time indices) pairs
+        errors = []
+        for j, ts in samples:
+            q = env_q(params, *rows[j])[ts, rollout.actions[ts, j]]
+            errors.append(jnp.where(rollout.valid[ts, j], 0.5 * (q - targets[ts, j]) ** 2, 0.0))
+        errors = jnp.concatenate(errors)
+        return jnp.sum(errors) / max(sum(int(rollout.valid[ts, j].sum()) for j, ts in samples), 1)
+
+    losses, norms, first_step = [], [], step
+    for epoch in range(EPOCHS):
+        key = jax.random.fold_in(jax.random.fold_in(shuffle_key, first_step), epoch)
+        if args.lstm:  # env set k: the envs whose id is k mod the number of minibatches, every time step
+            order = np.asarray(jax.random.permutation(key, MINIBATCHES))
+            minibatches = [[(j, np.arange(T)) for j in range(N) if j % MINIBATCHES == k] for k in order]
+        else:
+            minibatches = [
+                [(j, t[js == j]) for j in range(N)]
+                for t, js in reference_minibatches(shuffle_key, first_step, rollout.env_ids[0], epoch)
+            ]
+        for samples in minibatches:
+            value, grads = jax.value_and_grad(loss)(params, samples)
+            norms.append(float(optax.global_norm(grads)))
+            params, opt_state = apply_optimizer(grads, opt_state, params)
+            step += 1
+            losses.append(float(value))
+    return params, opt_state, step, losses, norms
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--gradient-accumulation-steps", "2"],  # values in chunks, 2 micro-batches per step
+        ["--exact", "--group-envs", "2"],  # 2 groups of envs, summed one at a time in key order
+        ["--lstm", "--lstm-size", "8", "--exact", "--group-envs", "1"],  # whole sequences from the stored state
+    ],
+    ids=["micro-batches", "exact-groups", "lstm"],
+)
+def test_two_iterations_match_the_plain_reference(extra):
+    """The learner on Atari frames (the Nature CNN with its LayerNorms) with terminations, truncations and
+    auto-reset steps: params, step count and the logged loss as the plain reference's, two iterations running."""
+    args = make_args(pqn, ["--update-epochs", str(EPOCHS), "--max-grad-norm", "1.0", "--learning-rate", "0.01", *extra])
+    space = gymnasium.spaces.Box(0, 255, FRAMES, np.uint8)
+    agent, shuffle_key, state, update = script_learner(pqn, args, space)
+    params = state.params
+    opt_state = reference_optimizer(args).init(params)
+    step, size, norms = 0, pqn.recurrent_state_size(args), []
+    for seed in (1, 2):  # seeds whose rollouts hold terminations and truncations (episode_data checks)
+        before = params
+        rollout = make_rollout(pqn, agent, params, seed, FRAMES, size)
+        state, logged = update(state, (pqn.Rollout(*map(jnp.asarray, rollout)),))
+        params, opt_state, step, losses, iteration_norms = reference_iteration(
+            agent, args, shuffle_key, params, opt_state, step, rollout
+        )
+        norms += iteration_norms
+        assert int(state.step) == step
+        np.testing.assert_allclose(float(logged["loss"]), np.mean(losses), rtol=1e-5)
+        assert_params_match(state.params, params, before)
+    assert max(norms) > args.max_grad_norm, norms  # the clip at work
+
+
+def test_defaults_and_optimizer_are_cleanrls():
+    """CleanRL's pqn_atari_envpool.py defaults, and the optimizer read back from the script's state: RAdam (b1 0.9,
+    b2 0.999, eps 1e-8) at 2.5e-4 annealed, gradients clipped at a global norm of 10."""
+    args = pqn.Args()
+    defaults = dict(learning_rate=2.5e-4, num_steps=128, num_minibatches=4, update_epochs=4, gamma=0.99, q_lambda=0.65)
+    defaults |= dict(max_grad_norm=10.0, start_e=1.0, end_e=0.01, exploration_fraction=0.1, anneal_lr=True)
+    defaults |= dict(total_timesteps=10_000_000, local_num_envs=4, num_actor_threads=2)  # CleanRL's 8 envs
+    assert {name: getattr(args, name) for name in defaults} == defaults
+    state = script_learner(pqn, make_args(pqn, []), gymnasium.spaces.Box(0, 255, FRAMES, np.uint8))[2]
+    (hyperparams,) = [part.hyperparams for part in state.opt_state if hasattr(part, "hyperparams")]
+    for name, value in dict(b1=0.9, b2=0.999, eps=1e-8, threshold=5.0, learning_rate=2.5e-4).items():
+        assert float(hyperparams[name]) == pytest.approx(value, rel=1e-6), name
+    assert float(make_args(pqn, []).max_grad_norm) == 10.0
