@@ -34,6 +34,25 @@ def write_atomically(path: Path, payload: dict):
         os.close(directory)
 
 
+class Unreadable(ValueError):
+    """A file that is not a whole model or checkpoint of the scripts: empty, cut short, or of another format."""
+
+
+def read_payload(path: Path, keys: tuple) -> dict:
+    """The msgpack payload of a file written by write_atomically that holds its args and one of keys; Unreadable,
+    naming the file, otherwise."""
+    try:
+        payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+        if not isinstance(payload, dict) or not isinstance(json.loads(payload["args"]), dict):
+            raise TypeError("no args")
+        if not any(key in payload for key in keys):
+            raise KeyError(" or ".join(keys))
+    except Exception as error:  # msgpack, json and the checks above raise errors of several kinds
+        what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        raise Unreadable(f"{path} is not a Cleanba model or checkpoint ({what})") from None
+    return payload
+
+
 def save_model(path: Path, script: str, args: dict, params):
     """Args and params in one file, and the name of the script that defines the network and envs."""
     write_atomically(
@@ -45,7 +64,7 @@ def load_model(path: Path):
     """Returns (args dict, params, file name of the training script) of a file written by save_model, or of a
     checkpoint (its train state's params; its script is the one its exp_name names, the script's stem by
     default), so that a run stopped before its end can be evaluated too."""
-    payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+    payload = read_payload(path, ("params", "train_state"))
     args = json.loads(payload["args"])
     if "train_state" in payload:
         return args, payload["train_state"]["params"], f"{args.get('exp_name')}.py"
@@ -72,7 +91,7 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set):
     checkpoint written before it was saved. ValueError, naming the flags, where its
     flags differ from args in one that is not in may_change (those change where or how a run computes or reports,
     not what it learns: the scripts' flag(..., may_change_on_resume=True))."""
-    payload = flax.serialization.msgpack_restore(Path(path).read_bytes())
+    payload = read_payload(path, ("train_state",))
     saved, current = json.loads(payload["args"]), json.loads(json.dumps(args))
     conflicts = [
         f"{key}={saved.get(key)} (now {current[key]})"
@@ -91,6 +110,8 @@ def resume_checkpoint(path: Path, args, state):
     the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
     try:
         return load_checkpoint(path, asdict(args), host_copy(state), flags_that_may_change_on_resume(args))
+    except Unreadable as error:
+        fail(f"--resume: {error}; move it away to start the run over, or give another --run-name")
     except ValueError as error:
         fail(
             f"--resume: {error}; resume with the same hyperparameters and global sizes, or start a new run "

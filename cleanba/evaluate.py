@@ -34,7 +34,7 @@ import numpy as np
 import tyro
 
 from cleanba import spaces
-from cleanba.checkpoint import load_model
+from cleanba.checkpoint import Unreadable, load_model
 from cleanba.family import FAMILY
 from cleanba.flags import check_hub_login, fail
 from cleanba.logs import GameScores
@@ -102,6 +102,30 @@ def args_of_model(module, saved: dict):
     versions, such as local_rank, now process_index) are left out: they do not change the network or the envs."""
     names = {f.name for f in fields(module.Args)}
     return module.Args(**{name: value for name, value in saved.items() if name in names})
+
+
+def check_params(model: Path, script_path: Path, module, train_args, params):
+    """Refuse, in one line, params that the script's network does not take (another script's model, say)."""
+    import envpool
+    import jax
+
+    known_env(train_args.env_id)
+    spec = envpool.make_spec(train_args.env_id, **module.env_kwargs(train_args))
+    shape, dtype = spaces.observation_field(spec.observation_space)
+    obs = jax.ShapeDtypeStruct((1, *shape), dtype)
+    agent = module.make_network(train_args, spec.action_space)
+    expected = jax.eval_shape(agent.init, jax.random.key(0), obs)
+
+    def shapes(tree):
+        return {jax.tree_util.keystr(path): np.shape(x) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+    want, got = shapes(expected), shapes(params)
+    if want != got:
+        (first, *_) = sorted(set(want.items()) ^ set(got.items()), key=str)
+        fail(
+            f"{model}'s params do not fit {script_path.name}'s network (first difference: {first[0]} {first[1]}); "
+            "give --script the training script that wrote it"
+        )
 
 
 def write_video(path: Path, frames: list):
@@ -336,10 +360,14 @@ def main(args: Args):
         fail(f"--upload-model uploads a .cleanba_model (params and args only), not {args.model.name}")
     if args.upload_model:
         check_hub_login()
-    train_args_dict, params, script_name = load_model(args.model)
+    try:
+        train_args_dict, params, script_name = load_model(args.model)
+    except Unreadable as error:
+        fail(f"{error}; give the .cleanba_model written by a training run's --save-model, or its checkpoint.msgpack")
     script_path = script_of(args.model, script_name, args.script)
     module = load_script(script_path)
     train_args = args_of_model(module, train_args_dict)
+    check_params(args.model, script_path, module, train_args, params)
     if args.capture_video:
         spaces.check_video(train_args.env_id)
     video_dir = (args.video_dir or args.model.parent / "videos") if args.capture_video else None

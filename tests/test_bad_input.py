@@ -10,7 +10,7 @@ from pathlib import Path
 
 import envpool
 import pytest
-from support import ROOT, SCRIPTS, in_mount_namespace, run_script, script_env
+from support import ROOT, SCRIPTS, TINY, in_mount_namespace, run_script, script_env
 
 from cleanba import startup
 
@@ -382,3 +382,39 @@ def test_evaluate_upload_without_a_hub_login_is_one_line(tmp_path):
     command = [sys.executable, "-m", "cleanba.evaluate", str(model), "--upload-model"]
     process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     check_tool_refused(process, "--upload-model needs a Hugging Face token", "hf auth login")
+
+
+IMPALA_MODEL = ROOT / "docs" / "runs" / "breakout-impala-cpu" / "cleanba_impala.cleanba_model"
+NOT_MODELS = {  # what the file holds -> what the refusal says of it
+    "empty": (lambda: b"", "is not a Cleanba model or checkpoint"),
+    "truncated": (lambda: IMPALA_MODEL.read_bytes()[:1000], "is not a Cleanba model or checkpoint"),
+    "another format": (lambda: b"PK\x03\x04 a zip archive", "is not a Cleanba model or checkpoint"),
+    "msgpack without args": (lambda: b"\x81\xa1a\x01", "is not a Cleanba model or checkpoint (KeyError: 'args')"),
+    "another script's params": (IMPALA_MODEL.read_bytes, "'s params do not fit cleanba_pqn.py's network"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_MODELS))
+def test_a_file_that_is_not_a_model_is_refused(case, tmp_path):
+    """The evaluation CLI given a model file that is not one, or a model whose params the named script's network does
+    not take: exit 2, one line naming the file, no traceback."""
+    content, fragment = NOT_MODELS[case]
+    model = tmp_path / "given.cleanba_model"
+    model.write_bytes(content())
+    command = [sys.executable, "-m", "cleanba.evaluate", str(model), "--script", str(SCRIPTS["pqn"])]
+    process = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=120)
+    check_refused(process, str(model), fragment)
+    assert [line for line in process.stderr.splitlines() if "error" in line] == process.stderr.splitlines()[-1:]
+
+
+def test_a_checkpoint_that_is_not_one_is_refused_and_kept(tmp_path):
+    """--resume of a run whose checkpoint is cut short: exit 2 in one line naming it, and the file left as it was."""
+    checkpoint = tmp_path / "runs" / "cut" / "checkpoint.msgpack"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(IMPALA_MODEL.read_bytes()[:5000])
+    process = run_script("pqn", [*TINY["pqn"], "--resume", "--run-name", "cut"], tmp_path, timeout=120)
+    path = checkpoint.relative_to(tmp_path)
+    check_refused(
+        process, f"--resume: {path} is not a Cleanba model or checkpoint", "move it away to start the run over"
+    )
+    assert checkpoint.read_bytes() == IMPALA_MODEL.read_bytes()[:5000]
