@@ -135,12 +135,12 @@ def make_rollout(script, agent, params, seed: int, obs_shape: tuple = OBS_SHAPE,
     )
 
 
-def script_learner(script, args, observation_space=None):
+def script_learner(script, args, observation_space=None, action_space=None):
     """The script's network, shuffle key, initial state and compiled learner update (one learner device), for
-    observations of observation_space (default: the frame stack)."""
+    observations of observation_space (default: the frame stack) and actions of action_space (default: Atari's 18)."""
     observation_space = observation_space or gymnasium.spaces.Box(0, 255, OBS_SHAPE, np.uint8)
     mesh = Mesh(np.array(jax.local_devices()[:1]), ("learner",))
-    agent = script.make_network(args, gymnasium.spaces.Discrete(18))
+    agent = script.make_network(args, action_space or gymnasium.spaces.Discrete(18))
     init_key, shuffle_key = jax.random.split(jax.random.key(7))
     spec = SimpleNamespace(observation_space=observation_space)  # as make_spec gives
     # replicated over the mesh as the scripts place it: the update's outputs come back so, and the second iteration
