@@ -51,7 +51,7 @@ def make_args(extra: list):
 
 def hopper_rollout(agent, params, seed: int):
     """Observations of Hopper-v4 played with random actions (scaled up, so that their statistics move), the episode
-    structure of episode_data, Gaussian actions near the policy's, behaviour log-densities off by noise."""
+    structure of episode_data, Gaussian actions near the policy's, behaviour log-densities off by noise of about the clip."""
     rng = np.random.default_rng(seed)
     envs = envpool.make("Hopper-v4", "gymnasium", num_envs=N, batch_size=N, seed=seed)
     obs = [envs.reset()[0]]
@@ -64,7 +64,7 @@ def hopper_rollout(agent, params, seed: int):
     rewards[~valid] = 0.0
     policy = np.asarray(jax.jit(agent.apply)(params, obs[:-1].reshape(T * N, OBS))[0]).reshape(T, N, -1)
     actions = (policy[..., :ACTIONS] + rng.normal(0, 1, (T, N, ACTIONS))).astype(np.float32)
-    logprobs = reference_logprob(policy, actions)[0] + rng.normal(0, 0.3, (T, N))
+    logprobs = reference_logprob(policy, actions)[0] + rng.normal(0, 0.002, (T, N))  # ratios about the clip
     return module.Rollout(
         obs=obs,
         actions=actions,
