@@ -51,7 +51,7 @@ def make_args(extra: list):
 
 def hopper_rollout(agent, params, seed: int):
     """Observations of Hopper-v4 played with random actions (scaled up, so that their statistics move), the episode
-    structure of episode_data, Gaussian actions near the policy's, behaviour log-densities off by noise of about the clip."""
+    structure of episode_data, Gaussian actions near the policy's, behaviour log-densities within about the clip."""
     rng = np.random.default_rng(seed)
     envs = envpool.make("Hopper-v4", "gymnasium", num_envs=N, batch_size=N, seed=seed)
     obs = [envs.reset()[0]]

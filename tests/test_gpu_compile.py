@@ -73,9 +73,15 @@ def update_flops_per_step(script: str) -> float:
     """One update's flops per env step at the default sizes: a gradient is about 3 forward passes (the first
     convolution's input gradient is not needed); IMPALA takes one per sample, over T + 1 observations per env; PPO
     one forward pass for the values, then one per sample per epoch."""
-    from cleanba import cleanba_impala, cleanba_ppo
+    from cleanba import cleanba_impala, cleanba_ppo, cleanba_pqn
 
     forward, first = network_flops()
+    if script == "pqn":  # the Nature CNN: 8x8 stride 4, 4x4 stride 2, 3x3, then 512 units; PPO's update structure
+        convs = [(20, 4, 32, 8), (9, 32, 64, 4), (7, 64, 64, 3)]  # (output side, inputs, outputs, kernel)
+        first = 2 * 20 * 20 * 32 * 8 * 8 * 4
+        forward = sum(2 * side * side * c * o * k * k for side, c, o, k in convs) + 2 * 3136 * 512 + 2 * 512 * 4
+        steps, epochs = cleanba_pqn.Args.num_steps, cleanba_pqn.Args.update_epochs
+        return forward * (steps + 1) / steps + epochs * (3 * forward - first)
     if script == "impala":
         steps = cleanba_impala.Args.num_steps
         return (3 * forward - first) * (steps + 1) / steps
@@ -103,7 +109,7 @@ HEADLINE = {  # name: (flags, processes)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "layout"),
-    [("ppo", "a0-l0"), ("ppo", "a0-l1,2,3"), ("impala", "a0-l0"), ("impala", "a0-l1,2,3-d2")],
+    [("ppo", "a0-l0"), ("ppo", "a0-l1,2,3"), ("impala", "a0-l0"), ("impala", "a0-l1,2,3-d2"), ("pqn", "a0-l0")],
 )
 def test_default_sizes_compile_for_a100_on_every_headline_layout(script, layout):
     """A100 40GB, the paper's GPU: a0-l0 (actor and learner share the GPU: both count), a0-l1,2,3 and -d2 (two
