@@ -71,7 +71,7 @@ def envpool_family(env_id: str) -> str:
 CASES = {  # script, env id, flags
     "minigrid-dict-discrete-parts": ("ppo", "MiniGrid-DoorKey-5x5-v0", ["--num-steps", "16"]),
     "jumanji-nested-dict": ("impala", "CVRP-v1", ["--num-steps", "8"]),
-    "toy-text-discrete-obs": ("ppo", "FrozenLake-v1", ["--num-steps", "16"]),
+    "toy-text-discrete-obs": ("pqn", "FrozenLake-v1", ["--num-steps", "16"]),  # PQN: the discrete scripts take turns
     "highway-dict-box-actions": ("ppo_continuous", "Parking-v0", ["--num-steps", "16"]),
     "metaworld-float32-box-actions": ("ppo_continuous", "MetaWorld/Assembly-v3", ["--num-steps", "16"]),
     "box2d-image-obs-box-actions": ("ppo_continuous", "CarRacing-v3", ["--num-steps", "16"]),  # 96 x 96 x 3
