@@ -2,11 +2,11 @@
 # Four modes. Run from the checkout, inside the project's environment so that `python` is the project's.
 #
 # bash benchmark.sh throughput [BENCHMARK FLAGS --] [SCRIPT FLAGS]
-#   Throughput of PPO and IMPALA on Breakout-v5 on this machine (python -m cleanba.benchmark; what each
+#   Throughput of PPO, IMPALA and PQN on Breakout-v5 on this machine (python -m cleanba.benchmark; what each
 #   figure means is in cleanba/benchmark/__init__.py): the EnvPool ceiling, actor alone, learner alone, training with
-#   concurrency off and on. SCRIPT FLAGS go to both training scripts (e.g. the layout: --actor-device-ids 0
+#   concurrency off and on. SCRIPT FLAGS go to every training script (e.g. the layout: --actor-device-ids 0
 #   --learner-device-ids 1 2 3); flags before a `--` go to the benchmark (e.g. --repeats 5). Writes
-#   benchmark-cleanba_ppo-Breakout-v5.json and benchmark-cleanba_impala-Breakout-v5.json here.
+#   benchmark-cleanba_{ppo,impala,pqn}-Breakout-v5.json here.
 #     poetry run bash benchmark.sh throughput --repeats 5 -- --actor-device-ids 0 --learner-device-ids 0
 #
 # bash benchmark.sh machine OUTDIR [SCRIPT FLAGS]
@@ -45,7 +45,7 @@ if [[ "${1:-}" == throughput ]]; then
       break
     fi
   done
-  for algo in ppo impala; do
+  for algo in ppo impala pqn; do
     python -m cleanba.benchmark --script "$algo" "${bench_flags[@]}" -- --env-id Breakout-v5 "${script_flags[@]}"
   done
   exit 0

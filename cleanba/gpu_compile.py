@@ -63,7 +63,7 @@ class CompileArgs:
     target: Literal["a100-40gb", "a100-80gb", "h100"] = "h100"
     """the GPU to compile for (specs: cleanba/gpu_targets/, from XLA's own target configs)"""
     script: str = "ppo"
-    """ppo, impala, ppo_continuous, or the path of a training script with the same functions (a fork)"""
+    """ppo, impala, ppo_continuous, pqn, or the path of a training script with the same functions (a fork)"""
     processes: int = 1
     """processes (hosts) of the run: 2 for a -d2 layout"""
 

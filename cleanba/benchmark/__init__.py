@@ -9,7 +9,7 @@
 Everything after `--` goes to the training script's own flags (its tyro Args), so every phase sizes envs, actor
 threads, batches and devices exactly like a real single-process run of that command: `local_num_envs` envs per
 actor thread, `num_actor_threads` threads per id of `--actor-device-ids`, the learner data-parallel over
-`--learner-device-ids`. `--script` is ppo, impala, ppo_continuous, or the path of a fork that keeps the scripts'
+`--learner-device-ids`. `--script` is ppo, impala, ppo_continuous, pqn, or the path of a fork that keeps the scripts'
 functions. On a GPU pass the device ids as for training (a0-l0: actor and learner share GPU 0; a0-l1,2,3: actor on
 GPU 0); on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices. The environment (XLA_FLAGS,
 JAX_PLATFORMS, ...) is passed on to every phase unchanged.

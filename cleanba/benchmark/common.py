@@ -46,7 +46,7 @@ SCRIPT_FUNCTIONS = (
 @dataclass
 class BenchmarkArgs:
     script: str = "ppo"
-    """a training script by name (ppo, impala, ppo_continuous), or the path of one with the same functions (a fork)"""
+    """a training script by name (ppo, impala, ppo_continuous, pqn), or the path of a fork with the same functions"""
     phases: list[Literal["ceiling", "actor", "learner", "layers", "sync", "concurrent"]] = field(
         default_factory=lambda: list(THROUGHPUT_PHASES)
     )
