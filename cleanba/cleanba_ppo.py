@@ -236,7 +236,7 @@ class Agent(nn.Module):
         return logits, value[:, 0]
 
     def mlp(self, obs):
-        x = obs.astype(jnp.float32)
+        x = obs.reshape(len(obs), -1).astype(jnp.float32)  # any Box, flattened
         for _ in range(2):
             dense = nn.Dense(self.hidden_dim, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))
             x = nn.tanh(dense(x))

@@ -247,8 +247,8 @@ class Agent(nn.Module):
 
     def torso(self, obs):
         orthogonal = nn.initializers.orthogonal(np.sqrt(2))
-        if obs.ndim == 2:  # vectors
-            x = obs.astype(jnp.float32)
+        if obs.ndim != 4:  # not a frame stack: flattened
+            x = obs.reshape(len(obs), -1).astype(jnp.float32)
             for width in self.mlp_widths:
                 x = nn.relu(nn.LayerNorm()(nn.Dense(width, kernel_init=orthogonal)(x)))
             return x
@@ -326,8 +326,7 @@ def pqn_loss(agent: Agent, args: Args, params, batch: dict, count):
     q_taken = jnp.take_along_axis(q, batch["actions"][..., None], axis=-1)[..., 0]
     td_loss = 0.5 * (q_taken - batch["targets"]) ** 2
     metrics = dict(loss=td_loss, q_values=q_taken, targets=batch["targets"])
-    # Dots behind a barrier: one op, summed in one order on every layout (with the loss's producers
-    # fused in, the order followed the group's position).
+    # Dots behind a barrier: one order on every layout (fused with the loss, it followed the group).
     valid = batch["valid"]
     metrics = {k: jnp.vdot(*jax.lax.optimization_barrier((v, valid))) / count for k, v in metrics.items()}
     return metrics["loss"], metrics

@@ -72,6 +72,7 @@ CASES = {  # script, env id, flags
     "minigrid-dict-discrete-parts": ("ppo", "MiniGrid-DoorKey-5x5-v0", ["--num-steps", "16"]),
     "jumanji-nested-dict": ("impala", "CVRP-v1", ["--num-steps", "8"]),
     "toy-text-discrete-obs": ("pqn", "FrozenLake-v1", ["--num-steps", "16"]),  # PQN: the discrete scripts take turns
+    "highway-2d-box-obs": ("ppo", "Highway-v0", ["--num-steps", "16"]),  # (5, 5) kinematics, flattened
     "highway-dict-box-actions": ("ppo_continuous", "Parking-v0", ["--num-steps", "16"]),
     "metaworld-float32-box-actions": ("ppo_continuous", "MetaWorld/Assembly-v3", ["--num-steps", "16"]),
     "box2d-image-obs-box-actions": ("ppo_continuous", "CarRacing-v3", ["--num-steps", "16"]),  # 96 x 96 x 3
