@@ -79,3 +79,30 @@ def test_the_first_runs_report_reads_its_own_event_files():
     ppo = scalars(REPORT / "runs" / "breakout-ppo-cpu")["charts/episodic_return"]
     assert round(ppo.value.max(), 2) == 9.55 and ppo.value.max() < 10 and "9.55 at 1.49M" in text
     assert np.isclose(human_normalized_end(ppo)[1], 0.212, atol=5e-4) and "0.212 (raw 7.8)" in text
+
+
+PQN = scalars(ROOT / "docs" / "runs" / "breakout-pqn-cpu")
+
+
+def test_pqn_at_cleanrls_settings_in_1_5m_steps():
+    """docs/atari-cpu.md: PQN's curve, the end of its run scored as score_report scores it, and its saved model's 10
+    games played by the evaluation CLI (their event file beside the run's)."""
+    points = PQN["charts/episodic_return"]
+    assert points.step.iloc[-1] == 1_499_136  # 1,464 iterations of 1,024 steps
+    curve = [f"{value_at(points, step):.1f} at {step / 1e6:.2f}M" for step in (51_200, 307_200, 768_000, 1_024_000)]
+    curve += [f"{value_at(points, 1_280_000):.1f} at 1.28M", f"{points.value.iloc[-1]:.1f} at 1.5M steps"]
+    first = points[points.value >= 5].step.iloc[0]
+    raw, normalized = human_normalized_end(points)
+    games = events.scalar_events(ROOT / "docs" / "runs" / "breakout-pqn-cpu-evaluation")["eval/episodic_return"]
+    evaluation = np.array([game.value for game in sorted(games, key=lambda game: game.step)])
+    assert len(evaluation) == 10
+    listed = ", ".join(str(int(v)) for v in evaluation)
+    games = f"{evaluation.mean():.1f} over 10 games (std {evaluation.std():.1f}: {listed})"
+    figures = [
+        *curve,
+        f"first past 5 at {first / 1000:.0f}k",
+        f"human-normalized {normalized:.3f} (raw {raw:.1f})",
+        games,
+    ]
+    for figure in figures:
+        assert figure in ATARI_CPU, figure
