@@ -95,8 +95,10 @@ envpool.make = lambda task_id, env_type, num_envs, batch_size, seed, **kwargs: M
 )
 save = checkpoint.save_run_checkpoint
 def save_and_keep(run):
-    save(run)
-    shutil.copyfile(run.checkpoint_path, f"{run.checkpoint_path}.{run.iterations_done}")
+    written = save(run)
+    if written:
+        shutil.copyfile(run.checkpoint_path, f"{run.checkpoint_path}.{run.iterations_done}")
+    return written
 checkpoint.save_run_checkpoint = save_and_keep
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -15,6 +15,7 @@ import flax.serialization
 import jax
 import numpy as np
 
+from cleanba import replay
 from cleanba.flags import fail, flags_that_may_change_on_resume
 from cleanba.replicas import digest, host_copy
 
@@ -71,24 +72,23 @@ def load_model(path: Path):
     return args, payload["params"], payload.get("script")
 
 
-def save_checkpoint(path: Path, args: dict, train_state, iteration: int, episode_window: dict):
+def save_checkpoint(path: Path, args: dict, train_state, iteration: int, episode_window: dict, memory=None):
     """Params, optimizer state and its step count, the iteration (which fixes the global step, the policy
-    versions and the actors' RNG counters), the args (which fix the seeds) and the logger's window of the last
-    games' returns and lengths (so the first curve point after a resume averages as many games as before)."""
-    write_atomically(
-        path,
-        {
-            "args": json.dumps(args),
-            "iteration": iteration,
-            "train_state": flax.serialization.to_state_dict(train_state),
-            "episode_window": episode_window,
-        },
-    )
+    versions and the actors' RNG counters), the args (which fix the seeds), the logger's window of the last
+    games' returns and lengths (so the first curve point after a resume averages as many games as before) and the
+    replay memory in global env order (replay.to_host), if the script keeps one."""
+    payload = {
+        "args": json.dumps(args),
+        "iteration": iteration,
+        "train_state": flax.serialization.to_state_dict(train_state),
+        "episode_window": episode_window,
+    }
+    write_atomically(path, dict(payload, replay=memory) if memory else payload)
 
 
 def load_checkpoint(path: Path, args: dict, template, may_change: set):
-    """Returns (iteration, train state like template, episode window) of a checkpoint; the window is empty in a
-    checkpoint written before it was saved. ValueError, naming the flags, where its
+    """Returns (iteration, train state like template, episode window, replay memory or {}) of a checkpoint; the
+    window is empty in a checkpoint written before it was saved. ValueError, naming the flags, where its
     flags differ from args in one that is not in may_change (those change where or how a run computes or reports,
     not what it learns: the scripts' flag(..., may_change_on_resume=True))."""
     payload = read_payload(path, ("train_state",))
@@ -102,12 +102,13 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set):
         raise ValueError(f"the checkpoint {path} was trained with {', '.join(conflicts)}")
     empty = {"returns": np.zeros(0), "lengths": np.zeros(0)}
     window = {key: np.asarray(value) for key, value in payload.get("episode_window", empty).items()}
-    return payload["iteration"], flax.serialization.from_state_dict(template, payload["train_state"]), window
+    state = flax.serialization.from_state_dict(template, payload["train_state"])
+    return payload["iteration"], state, window, payload.get("replay", {})
 
 
 def resume_checkpoint(path: Path, args, state):
-    """(iterations done, train state, the last games' returns) of the run that saved the checkpoint at path, on
-    the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
+    """(iterations done, train state, the last games' returns, replay memory) of the run that saved the checkpoint
+    at path, on the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
     try:
         return load_checkpoint(path, asdict(args), host_copy(state), flags_that_may_change_on_resume(args))
     except Unreadable as error:
@@ -136,21 +137,25 @@ def resume_requested(args, checkpoint_path: Path) -> bool:
     return resume
 
 
-def resume(args, path: Path, state):
-    """(iterations done, train state, the last games' returns) a training run starts from: where it resumes
-    (resume_requested), its checkpoint's, the train state on the devices of `state`; else (0, state, None)."""
+def resume(args, path: Path, state, memory: dict):
+    """(iterations done, train state, replay memory, the last games' returns) a training run starts from: where it
+    resumes (resume_requested), its checkpoint's, the train state on the devices of `state` and the memory in the
+    layout of `memory` (replay.py); else (0, state, memory, None)."""
     if not resume_requested(args, path):
-        return 0, state, None
-    iterations_done, restored, episode_window = resume_checkpoint(path, args, state)
+        return 0, state, memory, None
+    iterations_done, restored, episode_window, saved_memory = resume_checkpoint(path, args, state)
     placed = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, state))
+    if memory:
+        memory = replay.from_host(saved_memory, memory)
+        replayed = f", replay memory sha256 {digest(replay.to_host(memory))}"
     # The line tells what training continues from: the state as placed on the learner devices, read back, not
     # the file's (a state lost between the two would show).
     on_devices = host_copy(placed)
     print(
         f"rank {args.process_index}: resumed {path} at iteration {iterations_done} (global step "
         f"{iterations_done * args.batch_size}): params sha256 {digest(on_devices.params)}, opt_state sha256 "
-        f"{digest(on_devices.opt_state)}, optimizer step {int(on_devices.step)}; its last games' returns "
-        f"{episode_window['returns'].tolist()}",
+        f"{digest(on_devices.opt_state)}, optimizer step {int(on_devices.step)}{replayed if memory else ''}; its "
+        f"last games' returns {episode_window['returns'].tolist()}",
         flush=True,
     )
     if iterations_done >= args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
@@ -159,14 +164,21 @@ def resume(args, path: Path, state):
             f"({args.num_iterations})",
             flush=True,
         )
-    return iterations_done, placed, episode_window
+    return iterations_done, placed, memory, episode_window
 
 
-def save_run_checkpoint(run):
-    """A checkpoint of a script's TrainingRun: its args, train state, last iteration and its logger's last games."""
-    save_checkpoint(
-        run.checkpoint_path, asdict(run.args), host_copy(run.state), run.iterations_done, run.logger.episode_window()
-    )
+def save_run_checkpoint(run) -> bool:
+    """A checkpoint of a script's TrainingRun: its args, train state, last iteration, its logger's last games and
+    its replay memory. Every process calls it (the memory is gathered from all); process 0 writes it (True)."""
+    memory = replay.to_host(run.replay)
+    if run.logger is None:
+        return False
+    window = run.logger.episode_window()
+    save_checkpoint(run.checkpoint_path, asdict(run.args), host_copy(run.state), run.iterations_done, window, memory)
+    if memory:
+        size = run.checkpoint_path.stat().st_size / 2**20
+        print(f"checkpoint of iteration {run.iterations_done}: {size:.1f} MiB on disk", flush=True)
+    return True
 
 
 def save_trained_model(run, script: str) -> Path:

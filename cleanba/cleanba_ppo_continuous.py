@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba import checkpoint, devices, flags, lifetime, logs, memory, normalize, spaces
+from cleanba import checkpoint, devices, flags, lifetime, logs, memory, normalize, replay, spaces
 from cleanba.flags import fail, flag
 from cleanba.lifetime import Stop, StopTraining, queue_get, queue_put
 from cleanba.logs import Stopwatch
@@ -365,6 +365,11 @@ def make_network(args: Args, action_space, platform: str | None = None) -> Agent
     return Agent(action_space.shape[0], args.hidden_dim, args.num_envs, args.norm_obs, args.obs_clip)
 
 
+def replay_fields(args: Args, spec) -> dict:
+    """The replay memory's fields per env: none."""
+    return {}
+
+
 def recurrent_state_size(args: Args) -> int:
     """The width of each env's recurrent state: none."""
     return 0
@@ -407,7 +412,7 @@ def make_optimizer(args: Args):
     )
 
 
-def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
+def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, replay_memory: dict, rollouts: tuple):
     """One learner iteration on this device's envs (in shard_map): rewards scaled, GAE, the gradient
     steps, then the observation statistics updated."""
     rollout, groups = merge_rollouts(args, rollouts)
@@ -446,7 +451,7 @@ def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tu
     metrics["normalizer/return_std"] = jnp.sqrt(normalizer["return_var"])
     metrics["normalizer/obs_std_mean"] = jnp.mean(jnp.sqrt(normalizer["obs_var"]))
     metrics["normalizer/obs_count"] = normalizer["obs_count"]
-    return state, metrics
+    return state, replay_memory, metrics
 
 
 # ======== ENGINE: flags checked and sized, envs, actor threads, the learner, the run
@@ -601,15 +606,17 @@ def learner_blocks(args: Args) -> tuple:
 
 
 def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_actors: int):
-    """(state, one rollout per actor thread) -> (state, metrics): learn, data-parallel over the mesh."""
+    """(state, replay memory, one rollout per actor thread) -> (state, replay memory, metrics): learn,
+    data-parallel over the mesh."""
     return jax.jit(
         jax.shard_map(
             partial(learn, agent, args, shuffle_key),
             mesh=mesh,
-            in_specs=(P(), (P(None, "learner"),) * num_actors),
-            out_specs=(P(), P()),
+            in_specs=(P(), P(None, "learner"), (P(None, "learner"),) * num_actors),
+            out_specs=(P(), P(None, "learner"), P()),
             check_vma=False,  # gradients stay per device until the sum over groups (Groups.sum)
-        )
+        ),
+        donate_argnums=1,
     )
 
 
@@ -639,6 +646,7 @@ class TrainingRun:
     run_dir: Path
     mesh: Mesh  # the learner devices of all processes
     state: TrainState  # replicated over the mesh
+    replay: dict  # split by env over the mesh (cleanba/replay.py)
     iterations_done: int
     start_iteration: int
     update: jax.stages.Compiled  # make_learner_update, compiled
@@ -669,22 +677,24 @@ def start(args: Args) -> TrainingRun:
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
     agent, state, action_key, shuffle_key = make_agent(args, spec, mesh)
     spaces.check_network(sys.modules[__name__], args, unreplicate(state.params))
-    checkpoint_path = checkpoint.checkpoint_path(run_dir)
-    iterations_done, state, episode_window = checkpoint.resume(args, checkpoint_path, state)
-
     fields = rollout_fields(args, spec)
     shapes = learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args))
     rollouts = (shapes,) * flags.actor_threads(args)
+    replay_memory = replay.empty_memory(args, replay_fields(args, spec), rollouts, learner_blocks(args))
+    checkpoint_path = checkpoint.checkpoint_path(run_dir)
+    iterations_done, state, replay_memory, episode_window = checkpoint.resume(
+        args, checkpoint_path, state, replay_memory
+    )
 
     def compile_update(args: Args):  # before any env steps: its memory is known
         update = make_learner_update(agent, args, shuffle_key, mesh, len(rollouts))
-        return update.lower(state, rollouts).compile()
+        return update.lower(state, replay_memory, rollouts).compile()
 
     compile_start = time.time()
     update = compile_update(args)
     compile_time = time.time() - compile_start
     if args.memory_check:
-        memory.check_learner_memory(args, update, compile_update, rollouts, fields)
+        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_memory)
 
     logger = None
     if args.process_index == 0:  # process 0 writes logs, checkpoints and the model
@@ -696,7 +706,7 @@ def start(args: Args) -> TrainingRun:
     policy = make_policy(args, agent, action_key)
     actors = make_actor_threads(args, start_iteration, mesh, policy, stop)
     lifetime.handle_signals(stop, args.distributed)
-    progress = (state, iterations_done, start_iteration)
+    progress = (state, replay_memory, iterations_done, start_iteration)
     return TrainingRun(args, stop, run_dir, mesh, *progress, update, logger, *actors)
 
 
@@ -730,7 +740,7 @@ def train(run: TrainingRun):
         ]
         taken_at = [time.time()] * len(received)
         start_time = time.time()
-        run.state, metrics = run.update(run.state, tuple(rollout for rollout, _ in received))
+        run.state, run.replay, metrics = run.update(run.state, run.replay, tuple(r for r, _ in received))
         jax.block_until_ready(run.state)
         update_time = time.time() - start_time
         run.iterations_done = iteration
@@ -742,9 +752,9 @@ def train(run: TrainingRun):
         if run.logger is not None:
             waits = rollout_queue_wait, update_time
             run.logger.log(iteration, rollout_infos, episodes, *waits, run.state, metrics)
-            last = iteration == args.num_iterations
-            if args.checkpoint_frequency and (iteration % args.checkpoint_frequency == 0 or last):
-                checkpoint.save_run_checkpoint(run)
+        last = iteration == args.num_iterations
+        if args.checkpoint_frequency and (iteration % args.checkpoint_frequency == 0 or last):
+            checkpoint.save_run_checkpoint(run)  # on every process: it gathers the replay
         # All processes see a SIGTERM (SLURM's preemption) at the same iteration.
         if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
             stop.signals.append(signal.SIGTERM)

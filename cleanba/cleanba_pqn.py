@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba import checkpoint, devices, flags, lifetime, logs, memory, spaces
+from cleanba import checkpoint, devices, flags, lifetime, logs, memory, replay, spaces
 from cleanba.flags import fail, flag
 from cleanba.lifetime import Stop, StopTraining, queue_get, queue_put
 from cleanba.logs import Stopwatch
@@ -49,7 +49,7 @@ from cleanba.replicas import digest, unreplicate
 @dataclass
 class Args:
     env_id: str = "Breakout-v5"
-    """an EnvPool id: Atari (Breakout-v5) gets the Nature CNN, vectors (CartPole-v1) an MLP"""
+    """an EnvPool id: Atari gets the Nature CNN, vectors an MLP"""
     total_timesteps: int = flag(10_000_000, "[1, inf)")
     """environment steps of all envs together (frames / 4 on Atari)"""
     seed: int = flag(1, "[0, inf)")
@@ -73,33 +73,33 @@ class Args:
     q_lambda: float = flag(0.65, "[0, 1]")
     """the lambda of the Q(lambda) returns"""
     num_minibatches: int = flag(4, "[1, inf)")
-    """the number of minibatches per epoch (of whole env sequences with --lstm)"""
+    """the number of minibatches per epoch"""
     update_epochs: int = flag(4, "[1, inf)")
-    """the number of passes over the rollout per update"""
+    """passes over the rollout per update"""
     max_grad_norm: float = flag(10.0, "(0, inf)")
-    """the maximum norm for gradient clipping"""
+    """the gradient clipping norm"""
     start_e: float = flag(1.0, "[0, 1]")
-    """the exploration epsilon at the start"""
+    """epsilon at the start"""
     end_e: float = flag(0.01, "[0, 1]")
-    """the exploration epsilon at the end of its schedule, and after"""
+    """epsilon at the end of its schedule"""
     exploration_fraction: float = flag(0.1, "(0, 1]")
-    """the fraction of the total steps over which epsilon goes linearly from start_e to end_e"""
+    """the fraction of the steps over which epsilon falls linearly to end_e"""
     resnet: bool = False
-    """images: the IMPALA ResNet (--channels) instead of the Nature CNN"""
+    """images: the IMPALA ResNet, not the Nature CNN"""
     channels: tuple[int, ...] = (16, 32, 32)
-    """with --resnet: channels of the IMPALA ResNet's conv sequences"""
+    """with --resnet: the ResNet's channels"""
     hidden_dim: int = flag(512, "[1, inf)")
     """width of the dense layer after the image torso"""
     mlp_widths: tuple[int, ...] = (120, 84)
-    """vectors: the widths of the MLP's layers (CleanRL's pqn.py)"""
+    """vectors: the MLP's widths (CleanRL's pqn.py)"""
     conv_dtype: Literal["float32", "bfloat16"] = "float32"
-    """the image torso's dtype: bfloat16 runs on a GPU's tensor cores, accumulating in float32"""
+    """the image torso's dtype (bfloat16: a GPU's tensor cores)"""
     concurrency: bool = False
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
     lstm: bool = False
-    """an LSTM core between the torso and the Q head (CleanRL's pqn_atari_envpool_lstm)"""
+    """an LSTM core before the Q head (CleanRL's PQN-LSTM)"""
     lstm_size: int = flag(128, "[1, inf)")
-    """with --lstm: the width of the LSTM's cell and hidden state"""
+    """with --lstm: the LSTM's width"""
 
     # ======== ENGINE: the engine's flags, the run's sizes, the rollout's containers
     atari_protocol: Literal["machado", "impala"] = "machado"
@@ -217,8 +217,8 @@ def merge_rollouts(args: Args, rollouts: tuple) -> tuple:
 
 
 class Agent(nn.Module):
-    """Q-values as CleanRL's PQN: LayerNorm keeps TD stable without a target network (the PQN paper).
-    Images: the Nature CNN (Mnih et al. 2015) or the IMPALA ResNet; vectors: an MLP; an LSTM core."""
+    """Q-values as CleanRL's PQN, LayerNorm keeping TD stable without a target network (the PQN paper):
+    the Nature CNN or the IMPALA ResNet on images, an MLP on vectors."""
 
     num_actions: int
     channels: tuple[int, ...]
@@ -271,8 +271,8 @@ class Agent(nn.Module):
 
 
 def q_lambda_targets(values, rewards, terminations, truncations, gamma: float, q_lambda: float):
-    """PQN's Q(lambda) returns, values (T + 1, n) the max Q of each row: a truncation bootstraps from
-    the final obs, a termination does not; nothing flows back across the auto-reset step."""
+    """Q(lambda) returns from the max Q (T + 1, n) of each row: a truncation bootstraps, a termination
+    does not, nothing crosses the auto-reset step."""
     discounts = gamma * (1.0 - terminations)
     lambdas = q_lambda * (1.0 - (terminations | truncations))
     returns = jax.vmap(rlax.lambda_returns, in_axes=1, out_axes=1)
@@ -294,7 +294,7 @@ def rollout_values(agent: Agent, params, obs, groups: Groups, chunk_steps: int):
 
 
 def sequence_values(agent: Agent, params, data: dict, groups: Groups):
-    """Max Q of (T + 1, n) rows, the LSTM unrolled over each group's sequences from their state."""
+    """Max Q of (T + 1, n) rows, the LSTM unrolled from each env's stored state."""
 
     def group_values(obs, state, valid):  # (T + 1, width, ...), (1, width, size), (T, width)
         starts = jnp.concatenate([jnp.zeros_like(valid[:1]), ~valid])
@@ -326,14 +326,14 @@ def pqn_loss(agent: Agent, args: Args, params, batch: dict, count):
     q_taken = jnp.take_along_axis(q, batch["actions"][..., None], axis=-1)[..., 0]
     td_loss = 0.5 * (q_taken - batch["targets"]) ** 2
     metrics = dict(loss=td_loss, q_values=q_taken, targets=batch["targets"])
-    # Dots behind a barrier: one order on every layout (fused with the loss, it followed the group).
+    # Dots behind a barrier: one order on every layout.
     valid = batch["valid"]
     metrics = {k: jnp.vdot(*jax.lax.optimization_barrier((v, valid))) / count for k, v in metrics.items()}
     return metrics["loss"], metrics
 
 
 def update_minibatch(agent: Agent, args: Args, groups: Groups, data: dict, state, index):
-    """One gradient step on time slices of every env, or with --lstm on the env set `index`."""
+    """One gradient step on time slices of every env, or with --lstm of env set `index`."""
     if args.lstm:
         groups = groups.of_env_set(index)
         batch = groups.take(data)
@@ -353,7 +353,7 @@ MICRO_BATCHES_SPLIT = "envs"  # a group's micro-batches split its envs (whole se
 
 
 def minibatch_env_sets(args: Args) -> int:
-    """The env sets (env id mod sets) that minibatches take whole: each set with --lstm, else one."""
+    """The env sets (env id mod sets) minibatches take whole: each with --lstm, else one."""
     return args.num_minibatches if args.lstm else 1
 
 
@@ -376,13 +376,18 @@ def make_network(args: Args, action_space, platform: str | None = None) -> Agent
     return Agent(action_space.n, *widths, args.resnet, xla_cpu, dtype, lstm_size)
 
 
+def replay_fields(args: Args, spec) -> dict:
+    """The replay memory's fields per env: none."""
+    return {}
+
+
 def recurrent_state_size(args: Args) -> int:
-    """Each env's recurrent state width: the LSTM's cell and hidden (0 without --lstm)."""
+    """Each env's recurrent state width: cell and hidden (0 without --lstm)."""
     return 2 * args.lstm_size if args.lstm else 0
 
 
 def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
-    """The actors' step: (q, the next state), the state restarted where starts."""
+    """The actors' step: (q, next state), restarted where starts."""
     if not state.shape[-1]:
         return agent.apply(params, obs)[0], state
     q, _, state = agent.apply(params, obs[None], state, starts[None])
@@ -390,8 +395,7 @@ def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
 
 
 def sample_actions(args: Args, q, keys, step):
-    """Epsilon-greedy, each env with its own key, epsilon decayed linearly over the global env steps
-    (CleanRL's schedule); the action's log-probability."""
+    """Epsilon-greedy with each env's own key, epsilon linear in the global env steps (CleanRL's)."""
     global_step = (step + 1.0) * args.num_envs
     duration = args.exploration_fraction * args.total_timesteps
     epsilon = jnp.maximum(args.start_e + (args.end_e - args.start_e) * global_step / duration, args.end_e)
@@ -423,8 +427,8 @@ def make_optimizer(args: Args):
     )
 
 
-def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tuple):
-    """One learner iteration on this device's envs (in shard_map): targets, then the gradient steps."""
+def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, replay_memory: dict, rollouts: tuple):
+    """One learner iteration on this device's envs (in shard_map)."""
     rollout, groups = merge_rollouts(args, rollouts)
     data = dict(obs=rollout.obs, actions=rollout.actions, valid=rollout.valid, recurrent_state=rollout.recurrent_state)
     if args.lstm:
@@ -444,7 +448,7 @@ def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, rollouts: tu
         ids, T = rollout.env_ids[0], args.num_steps
         schedule = jnp.concatenate([minibatch_time_indices(k, ids, T, args.num_minibatches) for k in epochs])
     state, metrics = jax.lax.scan(partial(update_minibatch, agent, args, groups, data), state, schedule)
-    return state, jax.tree.map(jnp.mean, metrics)
+    return state, replay_memory, jax.tree.map(jnp.mean, metrics)
 
 
 # ======== ENGINE: flags checked and sized, envs, actor threads, the learner, the run
@@ -599,15 +603,17 @@ def learner_blocks(args: Args) -> tuple:
 
 
 def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_actors: int):
-    """(state, one rollout per actor thread) -> (state, metrics): learn, data-parallel over the mesh."""
+    """(state, replay memory, one rollout per actor thread) -> (state, replay memory, metrics): learn,
+    data-parallel over the mesh."""
     return jax.jit(
         jax.shard_map(
             partial(learn, agent, args, shuffle_key),
             mesh=mesh,
-            in_specs=(P(), (P(None, "learner"),) * num_actors),
-            out_specs=(P(), P()),
+            in_specs=(P(), P(None, "learner"), (P(None, "learner"),) * num_actors),
+            out_specs=(P(), P(None, "learner"), P()),
             check_vma=False,  # gradients stay per device until the sum over groups (Groups.sum)
-        )
+        ),
+        donate_argnums=1,
     )
 
 
@@ -637,6 +643,7 @@ class TrainingRun:
     run_dir: Path
     mesh: Mesh  # the learner devices of all processes
     state: TrainState  # replicated over the mesh
+    replay: dict  # split by env over the mesh (cleanba/replay.py)
     iterations_done: int
     start_iteration: int
     update: jax.stages.Compiled  # make_learner_update, compiled
@@ -667,22 +674,24 @@ def start(args: Args) -> TrainingRun:
     spec = envpool.make_spec(args.env_id, **env_kwargs(args))
     agent, state, action_key, shuffle_key = make_agent(args, spec, mesh)
     spaces.check_network(sys.modules[__name__], args, unreplicate(state.params))
-    checkpoint_path = checkpoint.checkpoint_path(run_dir)
-    iterations_done, state, episode_window = checkpoint.resume(args, checkpoint_path, state)
-
     fields = rollout_fields(args, spec)
     shapes = learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args))
     rollouts = (shapes,) * flags.actor_threads(args)
+    replay_memory = replay.empty_memory(args, replay_fields(args, spec), rollouts, learner_blocks(args))
+    checkpoint_path = checkpoint.checkpoint_path(run_dir)
+    iterations_done, state, replay_memory, episode_window = checkpoint.resume(
+        args, checkpoint_path, state, replay_memory
+    )
 
     def compile_update(args: Args):  # before any env steps: its memory is known
         update = make_learner_update(agent, args, shuffle_key, mesh, len(rollouts))
-        return update.lower(state, rollouts).compile()
+        return update.lower(state, replay_memory, rollouts).compile()
 
     compile_start = time.time()
     update = compile_update(args)
     compile_time = time.time() - compile_start
     if args.memory_check:
-        memory.check_learner_memory(args, update, compile_update, rollouts, fields)
+        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_memory)
 
     logger = None
     if args.process_index == 0:  # process 0 writes logs, checkpoints and the model
@@ -694,7 +703,7 @@ def start(args: Args) -> TrainingRun:
     policy = make_policy(args, agent, action_key)
     actors = make_actor_threads(args, start_iteration, mesh, policy, stop)
     lifetime.handle_signals(stop, args.distributed)
-    progress = (state, iterations_done, start_iteration)
+    progress = (state, replay_memory, iterations_done, start_iteration)
     return TrainingRun(args, stop, run_dir, mesh, *progress, update, logger, *actors)
 
 
@@ -728,7 +737,7 @@ def train(run: TrainingRun):
         ]
         taken_at = [time.time()] * len(received)
         start_time = time.time()
-        run.state, metrics = run.update(run.state, tuple(rollout for rollout, _ in received))
+        run.state, run.replay, metrics = run.update(run.state, run.replay, tuple(r for r, _ in received))
         jax.block_until_ready(run.state)
         update_time = time.time() - start_time
         run.iterations_done = iteration
@@ -740,9 +749,9 @@ def train(run: TrainingRun):
         if run.logger is not None:
             waits = rollout_queue_wait, update_time
             run.logger.log(iteration, rollout_infos, episodes, *waits, run.state, metrics)
-            last = iteration == args.num_iterations
-            if args.checkpoint_frequency and (iteration % args.checkpoint_frequency == 0 or last):
-                checkpoint.save_run_checkpoint(run)
+        last = iteration == args.num_iterations
+        if args.checkpoint_frequency and (iteration % args.checkpoint_frequency == 0 or last):
+            checkpoint.save_run_checkpoint(run)  # on every process: it gathers the replay
         # All processes see a SIGTERM (SLURM's preemption) at the same iteration.
         if args.distributed and multihost_utils.reached_preemption_sync_point(iteration):
             stop.signals.append(signal.SIGTERM)

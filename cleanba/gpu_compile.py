@@ -42,7 +42,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # before cleanba's modules, which hide the CUDA plugin from JAX where the machine shows no GPU
 import tyro
 
-from cleanba import spaces, startup
+from cleanba import replay, spaces, startup
 from cleanba.benchmark.common import load_script, resolve_script, split_argv
 from cleanba.flags import actor_threads, fail
 from cleanba.reductions import learner_shapes
@@ -136,7 +136,8 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
 
     start = time.time()
     update = module.make_learner_update(agent, args, shuffle_key, mesh, num_actors)
-    lowered = update.lower(state, rollouts)
+    memory = replay.memory_shapes(args, module.replay_fields(args, spec), rollouts, module.learner_blocks(args))
+    lowered = update.lower(state, memory, rollouts)
     compiled = lowered.compile()
     learner_seconds = time.time() - start
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh.size
@@ -152,7 +153,7 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
         actor_compile_s=actor_seconds,
         cudnn_convolutions=text.count("__cudnn$conv"),
         all_reduces=text.count("all-reduce"),
-        update_flops=update_flops(module, args, agent, shuffle_key, state, rollouts, len(learner_devices)),
+        update_flops=update_flops(module, args, agent, shuffle_key, state, memory, rollouts, len(learner_devices)),
         local_devices=len(local),
         compute_capability=local[0].compute_capability,
     )
@@ -190,7 +191,7 @@ def compile_actors(module, args, agent, action_key, params, space, local: list) 
     return actors, actor_seconds
 
 
-def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_devices: int) -> float:
+def update_flops(module, args, agent, shuffle_key, state, memory, rollouts, num_learner_devices: int) -> float:
     """Flops of one update on one learner device: XLA's cost analysis of the same update (the GPU's network), for one
     device's share of the rollouts, lowered for the CPU (before optimization; nothing is compiled). The GPU program
     has no cost analysis, and after optimization its cuDNN and cuBLAS calls would count no flops."""
@@ -209,6 +210,7 @@ def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_
 
     cpu_state = jax.tree.map(lambda x: on_cpu(x, P()), state)
     cpu_rollouts = jax.tree.map(lambda x: on_cpu(x, x.sharding.spec), rollouts)
+    cpu_memory = jax.tree.map(lambda x: on_cpu(x, x.sharding.spec), memory)
     # The GPU's network (XLA's convolutions), lowered for the CPU: the CPU's network would have the CPU kernels'
     # custom calls in their place, which count no flops.
     update = module.make_learner_update(agent, args, shuffle_key, cpu_mesh, len(rollouts))
@@ -218,7 +220,7 @@ def update_flops(module, args, agent, shuffle_key, state, rollouts, num_learner_
     jax.lax.scan = partial(scan, unroll=True)
     jax.lax.map = lambda f, xs: scan(lambda carry, x: (carry, f(x)), None, xs, unroll=True)[1]
     try:
-        return float(update.lower(cpu_state, cpu_rollouts).cost_analysis()["flops"])
+        return float(update.lower(cpu_state, cpu_memory, cpu_rollouts).cost_analysis()["flops"])
     finally:
         jax.lax.scan, jax.lax.map = scan, loop_map
 

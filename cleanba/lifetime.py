@@ -126,13 +126,12 @@ def exit_status(stop: Stop, iterations_done: int, now: bool = False):
 
 def shut_down(run, save_checkpoint):
     """After a script's train, however it ended (run: its TrainingRun): every actor thread joined, a checkpoint
-    (save_checkpoint(run)) when a signal stopped the run, and the barrier of all processes (before process 0
-    evaluates, so that none waits for it)."""
+    (save_checkpoint(run), on every process: it gathers the replay memory) when a signal stopped the run, and the
+    barrier of all processes (before process 0 evaluates, so that none waits for it)."""
     run.stop.set()
     join_threads(run.threads)
     signalled = run.stop.signals and not run.stop.errors and run.iterations_done >= run.start_iteration
-    if signalled and run.logger is not None and run.args.checkpoint_frequency:
-        save_checkpoint(run)
+    if signalled and run.args.checkpoint_frequency and save_checkpoint(run):
         print(f"checkpoint of iteration {run.iterations_done} saved to {run.checkpoint_path}", flush=True)
     if run.logger is not None:
         run.logger.writer.flush()

@@ -1,6 +1,6 @@
 """Memory, before training: what the host and each device may still allocate, what the compiled learner update needs
 on one learner device (XLA's memory analysis, with the rollouts queued meanwhile), and the check that refuses a learner
-that cannot fit, naming the --gradient-accumulation-steps that would (docs/gpu.md).
+that cannot fit, naming the --gradient-accumulation-steps or the replay's --buffer-size that would (docs/gpu.md).
 """
 
 from dataclasses import replace
@@ -54,16 +54,17 @@ def device_memory_available(device) -> tuple | None:
     return stats["bytes_limit"], limit
 
 
-def learner_memory_needs(analysis, queued_rollout_bytes: int) -> dict:
+def learner_memory_needs(analysis, queued_rollout_bytes: int, replay_bytes: int = 0) -> dict:
     """Bytes one learner device needs during an update, by part: XLA's analysis of the compiled update (its inputs,
-    i.e. the train state and this iteration's rollouts; its outputs; its temporaries) and the next rollouts, which
-    wait in the rollout queues meanwhile."""
-    return dict(
+    i.e. the train state, the replay memory (replay_bytes of them, its outputs alias it) and this iteration's
+    rollouts; its outputs; its temporaries) and the next rollouts, which wait in the rollout queues meanwhile."""
+    needs = dict(
         temporaries=analysis.temp_size_in_bytes,
-        arguments=analysis.argument_size_in_bytes,
-        outputs=analysis.output_size_in_bytes,
+        arguments=analysis.argument_size_in_bytes - replay_bytes,
+        outputs=analysis.output_size_in_bytes - analysis.alias_size_in_bytes,
         queued_rollouts=queued_rollout_bytes,
     )
+    return dict(needs, replay_memory=replay_bytes) if replay_bytes else needs
 
 
 def format_size(n: float) -> str:
@@ -88,10 +89,13 @@ def memory_shortfall(needs: dict, learner_devices: list, host_bytes: int) -> tup
     return needed, available, source, needed <= available
 
 
-def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulation_needs, current_accumulation: int):
+def check_memory(
+    needs: dict, learner_devices: list, host_bytes: int, accumulation_needs, current_accumulation: int, args=None
+):
     """Refuse, before any env steps, a learner that cannot fit (exit status 2, one message, the flags that help).
     needs: learner_memory_needs of one learner device. accumulation_needs(n): the same with
-    --gradient-accumulation-steps n (XLA compiles it), tried for the message only."""
+    --gradient-accumulation-steps n (XLA compiles it), tried for the message only. With a replay memory, the largest
+    of a few smaller --buffer-size (of args, a multiple of its num_envs) that fits is named first."""
     needed, available, source, fits = memory_shortfall(needs, learner_devices, host_bytes)
     print(
         f"learner memory per device (XLA's analysis of the compiled update): {describe_memory(needs)}; "
@@ -104,6 +108,12 @@ def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulati
     # update stays), so fewer steps than that bound cannot fit and the tries start at it; none fits where the
     # temporaries are less than the shortfall.
     fixes, steps, shortfall = [], current_accumulation * 2, needed - available
+    for fraction in (0.75, 0.5, 0.25, 0.1, 0.01) if needs.get("replay_memory") else ():
+        smaller = dict(needs, replay_memory=needs["replay_memory"] * fraction)
+        buffer_size = int(args.buffer_size * fraction) // args.num_envs * args.num_envs
+        if buffer_size and memory_shortfall(smaller, learner_devices, host_bytes)[3]:
+            fixes.append(f"--buffer-size {buffer_size} (replay memory {format_size(smaller['replay_memory'])})")
+            break
     temporaries = needed - memory_shortfall(dict(needs, temporaries=0), learner_devices, host_bytes)[0]
     while temporaries > shortfall and steps < current_accumulation * temporaries / (temporaries - shortfall):
         steps *= 2
@@ -122,18 +132,20 @@ def check_memory(needs: dict, learner_devices: list, host_bytes: int, accumulati
     )
 
 
-def check_learner_memory(args, update, compile_update, rollouts: tuple, fields):
+def check_learner_memory(args, update, compile_update, rollouts: tuple, fields, replay_memory: dict):
     """Refuse a learner that cannot fit in memory, before training (check_memory). update: the compiled learner
     update; compile_update(args): the same for other args, tried with more --gradient-accumulation-steps for the
-    advice. rollouts: the update's rollout shapes (one per actor thread); fields: one actor thread's host storage."""
+    advice. rollouts: the update's rollout shapes (one per actor thread); fields: one actor thread's host storage;
+    replay_memory: the learner's (replay.py)."""
     learner_devices = [jax.local_devices()[i] for i in args.learner_device_ids]
     mesh_size = args.world_size * len(learner_devices)
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh_size
+    replay_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(replay_memory)) // mesh_size
     host_storage = len(rollouts) * sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields)
 
     def accumulation_needs(steps: int) -> dict:
         other = compile_update(replace(args, gradient_accumulation_steps=steps))
-        return learner_memory_needs(other.memory_analysis(), queued)
+        return learner_memory_needs(other.memory_analysis(), queued, replay_bytes)
 
-    needs = learner_memory_needs(update.memory_analysis(), queued)
-    check_memory(needs, learner_devices, host_storage, accumulation_needs, args.gradient_accumulation_steps)
+    needs = learner_memory_needs(update.memory_analysis(), queued, replay_bytes)
+    check_memory(needs, learner_devices, host_storage, accumulation_needs, args.gradient_accumulation_steps, args)

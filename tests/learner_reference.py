@@ -136,7 +136,7 @@ def make_rollout(script, agent, params, seed: int, obs_shape: tuple = OBS_SHAPE,
 
 
 def script_learner(script, args, observation_space=None, action_space=None):
-    """The script's network, shuffle key, initial state and compiled learner update (one learner device), for
+    """The script's network, shuffle key, initial state and learner update (state, rollouts) (one learner device), for
     observations of observation_space (default: the frame stack) and actions of action_space (default: Atari's 18)."""
     observation_space = observation_space or gymnasium.spaces.Box(0, 255, OBS_SHAPE, np.uint8)
     mesh = Mesh(np.array(jax.local_devices()[:1]), ("learner",))
@@ -146,7 +146,13 @@ def script_learner(script, args, observation_space=None, action_space=None):
     # replicated over the mesh as the scripts place it: the update's outputs come back so, and the second iteration
     # then finds the first one's program instead of compiling another for other input shardings
     state = jax.device_put(script.initial_state(agent, args, spec, init_key), NamedSharding(mesh, P()))
-    return agent, shuffle_key, state, script.make_learner_update(agent, args, shuffle_key, mesh, 1)
+    update = script.make_learner_update(agent, args, shuffle_key, mesh, 1)
+
+    def on_policy_update(state, rollouts):  # the on-policy scripts' replay memory: none
+        state, _, metrics = update(state, {}, rollouts)
+        return state, metrics
+
+    return agent, shuffle_key, state, on_policy_update
 
 
 def assert_params_match(got, want, before):

@@ -31,6 +31,7 @@ HOOKS = (
     "minibatch_env_sets",
     "check_algorithm",
     "make_network",
+    "replay_fields",
     "recurrent_state_size",
     "policy_step",
     "sample_actions",

@@ -53,10 +53,10 @@ def test_every_actor_thread_plays_the_params_of_its_lag(script, extra, concurren
         updates = [digest(unreplicate(run.state.params))]  # updates[j]: the params after update j
         update = run.update
 
-        def recording_update(state, rollouts):
-            state, metrics = update(state, rollouts)
+        def recording_update(state, replay, rollouts):
+            state, replay, metrics = update(state, replay, rollouts)
             updates.append(digest(unreplicate(state.params)))
-            return state, metrics
+            return state, replay, metrics
 
         run.update = recording_update
         try:

@@ -319,7 +319,7 @@ def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_pa
     for name in sorted(flags):
         other = replace(args, **{name: other_value(getattr(args, name), hints[name])})
         if name in MAY_CHANGE_ON_RESUME:
-            iteration, restored, _ = checkpoint.load_checkpoint(path, asdict(other), state, MAY_CHANGE_ON_RESUME)
+            iteration, restored, *_ = checkpoint.load_checkpoint(path, asdict(other), state, MAY_CHANGE_ON_RESUME)
             assert iteration == 5 and restored["w"].tolist() == [0.0, 1.0, 2.0], name
         else:
             with pytest.raises(ValueError, match=rf"was trained with {name}="):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cleanba.benchmark.common import BenchmarkArgs, median
-from cleanba.benchmark.phases import build_model, compile_learner, learner_rollouts
+from cleanba.benchmark.phases import build_model, compile_learner, learner_rollouts, replay_memory
 
 
 def timed(function, *args, repeats: int) -> float:
@@ -127,13 +127,13 @@ def traced_update(module, args, model) -> dict:
 
     rollouts = learner_rollouts(module, args, model)
     update = compile_learner(module, args, model, rollouts, minibatch_step=False)[0]
-    state = model["state"]
-    state, _ = update(state, rollouts)  # the first call allocates what later ones reuse
+    state, replay = model["state"], replay_memory(module, args, model, rollouts, shapes_only=False)
+    state, replay, _ = update(state, replay, rollouts)  # the first call allocates what later ones reuse
     jax.block_until_ready(state)
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             start = time.perf_counter()
-            jax.block_until_ready(update(state, rollouts))
+            jax.block_until_ready(update(state, replay, rollouts))
             update_s = time.perf_counter() - start
         with gzip.open(next(Path(directory).rglob("*.trace.json.gz"))) as file:
             trace = json.load(file)

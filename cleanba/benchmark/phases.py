@@ -238,6 +238,15 @@ def rollout_structs(module, args, model) -> tuple:
     return (shapes,) * len(actor_devices_and_ids(args))
 
 
+def replay_memory(module, args, model, rollouts: tuple, shapes_only: bool = True) -> dict:
+    """The script's replay memory for rollouts (cleanba/replay.py; {} for the on-policy scripts): its shapes, or
+    zeros on the learner devices."""
+    from cleanba import replay
+
+    make = replay.memory_shapes if shapes_only else replay.empty_memory
+    return make(args, module.replay_fields(args, model["spec"]), rollouts, module.learner_blocks(args))
+
+
 def compile_learner(
     module, args, model, rollouts: tuple, compiler_options: dict | None = None, minibatch_step: bool = True
 ):
@@ -262,7 +271,9 @@ def compile_learner(
     update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts))
     Groups.gradients = recording
     try:
-        compiled = update.lower(model["state"], rollouts).compile(compiler_options)
+        compiled = update.lower(model["state"], replay_memory(module, args, model, rollouts), rollouts).compile(
+            compiler_options
+        )
     finally:
         Groups.gradients = original
     analysis = compiled.memory_analysis()
@@ -321,9 +332,10 @@ def learner_phase(module, args, bench: BenchmarkArgs) -> dict:
     rollouts = learner_rollouts(module, args, model)
     start = time.time()
     learner_update, memory = compile_learner(module, args, model, rollouts)
+    replay = replay_memory(module, args, model, rollouts, shapes_only=False)
     ends = []
     for _ in range(args.num_iterations):
-        state, _ = learner_update(state, rollouts)
+        state, replay, _ = learner_update(state, replay, rollouts)
         jax.block_until_ready(state)
         ends.append(time.time())
     bounds = window_boundaries(ends, bench)
