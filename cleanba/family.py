@@ -19,5 +19,6 @@ FAMILY = {
     "impala": Script(CLEANBA / "cleanba_impala.py", "Discrete", "IMPALA"),
     "ppo_continuous": Script(CLEANBA / "cleanba_ppo_continuous.py", "Box", "PPO"),
     "pqn": Script(CLEANBA / "cleanba_pqn.py", "Discrete", "PQN"),
+    "sac": Script(CLEANBA / "cleanba_sac.py", "Box", "SAC"),
 }
 SCRIPTS = {name: script.path for name, script in FAMILY.items()}
