@@ -137,25 +137,23 @@ def resume_requested(args, checkpoint_path: Path) -> bool:
     return resume
 
 
-def resume(args, path: Path, state, memory: dict):
-    """(iterations done, train state, replay memory, the last games' returns) a training run starts from: where it
-    resumes (resume_requested), its checkpoint's, the train state on the devices of `state` and the memory in the
-    layout of `memory` (replay.py); else (0, state, memory, None)."""
+def resume(args, path: Path, state):
+    """(iterations done, train state, the last games' returns, replay memory on the host) a training run starts
+    from: where it resumes (resume_requested), its checkpoint's, the train state on the devices of `state`; else
+    (0, state, None, None)."""
     if not resume_requested(args, path):
-        return 0, state, memory, None
-    iterations_done, restored, episode_window, saved_memory = resume_checkpoint(path, args, state)
+        return 0, state, None, None
+    iterations_done, restored, episode_window, memory = resume_checkpoint(path, args, state)
     placed = jax.device_put(restored, jax.tree.map(lambda x: x.sharding, state))
-    if memory:
-        memory = replay.from_host(saved_memory, memory)
-        replayed = f", replay memory sha256 {digest(replay.to_host(memory))}"
     # The line tells what training continues from: the state as placed on the learner devices, read back, not
     # the file's (a state lost between the two would show).
     on_devices = host_copy(placed)
+    replayed = f", replay memory sha256 {digest(memory)}" if memory else ""
     print(
         f"rank {args.process_index}: resumed {path} at iteration {iterations_done} (global step "
         f"{iterations_done * args.batch_size}): params sha256 {digest(on_devices.params)}, opt_state sha256 "
-        f"{digest(on_devices.opt_state)}, optimizer step {int(on_devices.step)}{replayed if memory else ''}; its "
-        f"last games' returns {episode_window['returns'].tolist()}",
+        f"{digest(on_devices.opt_state)}, optimizer step {int(on_devices.step)}{replayed}; its last games' returns "
+        f"{episode_window['returns'].tolist()}",
         flush=True,
     )
     if iterations_done >= args.num_iterations:  # e.g. a requeued job, or a run stopped in its last iteration
@@ -164,7 +162,7 @@ def resume(args, path: Path, state, memory: dict):
             f"({args.num_iterations})",
             flush=True,
         )
-    return iterations_done, placed, memory, episode_window
+    return iterations_done, placed, episode_window, memory or None
 
 
 def save_run_checkpoint(run) -> bool:

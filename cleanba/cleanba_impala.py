@@ -653,21 +653,20 @@ def start(args: Args) -> TrainingRun:
     fields = rollout_fields(args, spec)
     shapes = learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args))
     rollouts = (shapes,) * flags.actor_threads(args)
-    replay_memory = replay.empty_memory(args, replay_fields(args, spec), rollouts, learner_blocks(args))
+    replay_shapes = replay.memory_shapes(args, replay_fields(args, spec), rollouts, learner_blocks(args))
     checkpoint_path = checkpoint.checkpoint_path(run_dir)
-    iterations_done, state, replay_memory, episode_window = checkpoint.resume(
-        args, checkpoint_path, state, replay_memory
-    )
+    iterations_done, state, episode_window, saved_replay = checkpoint.resume(args, checkpoint_path, state)
 
     def compile_update(args: Args):  # before any env steps: its memory is known
         update = make_learner_update(agent, args, shuffle_key, mesh, len(rollouts))
-        return update.lower(state, replay_memory, rollouts).compile()
+        return update.lower(state, replay_shapes, rollouts).compile()
 
     compile_start = time.time()
     update = compile_update(args)
     compile_time = time.time() - compile_start
     if args.memory_check:
-        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_memory)
+        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_shapes)
+    replay_memory = replay.place(args, replay_shapes, learner_blocks(args), saved_replay)
 
     logger = None
     if args.process_index == 0:  # process 0 writes logs, checkpoints and the model

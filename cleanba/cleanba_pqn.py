@@ -51,9 +51,9 @@ class Args:
     env_id: str = "Breakout-v5"
     """an EnvPool id: Atari gets the Nature CNN, vectors an MLP"""
     total_timesteps: int = flag(10_000_000, "[1, inf)")
-    """environment steps of all envs together (frames / 4 on Atari)"""
+    """env steps of all envs together (frames / 4 on Atari)"""
     seed: int = flag(1, "[0, inf)")
-    """seed of the envs, the network's initialisation and the action sampling"""
+    """seed of the envs, the network's init and the action sampling"""
     actor_device_ids: list[int] = flag([0], may_change_on_resume=True)
     """local device ids that run the actor threads' policy inference"""
     learner_device_ids: list[int] = flag([0], may_change_on_resume=True)
@@ -63,25 +63,25 @@ class Args:
     num_actor_threads: int = flag(2, "[1, inf)", may_change_on_resume=True)
     """the number of actor threads per actor device"""
     learning_rate: float = flag(2.5e-4, "(0, inf)")
-    """the learning rate of the optimizer"""
+    """the optimizer's learning rate"""
     num_steps: int = flag(128, "[1, inf)")
-    """the number of steps of each env per rollout"""
+    """steps of each env per rollout"""
     anneal_lr: bool = True
     """anneal the learning rate linearly to zero over the run"""
     gamma: float = flag(0.99, "[0, 1]")
-    """the discount factor gamma"""
+    """the discount gamma"""
     q_lambda: float = flag(0.65, "[0, 1]")
     """the lambda of the Q(lambda) returns"""
     num_minibatches: int = flag(4, "[1, inf)")
     """the number of minibatches per epoch"""
     update_epochs: int = flag(4, "[1, inf)")
-    """passes over the rollout per update"""
+    """passes over each rollout"""
     max_grad_norm: float = flag(10.0, "(0, inf)")
     """the gradient clipping norm"""
     start_e: float = flag(1.0, "[0, 1]")
-    """epsilon at the start"""
+    """epsilon at first"""
     end_e: float = flag(0.01, "[0, 1]")
-    """epsilon at the end of its schedule"""
+    """epsilon at its schedule's end"""
     exploration_fraction: float = flag(0.1, "(0, 1]")
     """the fraction of the steps over which epsilon falls linearly to end_e"""
     resnet: bool = False
@@ -89,7 +89,7 @@ class Args:
     channels: tuple[int, ...] = (16, 32, 32)
     """with --resnet: the ResNet's channels"""
     hidden_dim: int = flag(512, "[1, inf)")
-    """width of the dense layer after the image torso"""
+    """width of the dense layer after the torso"""
     mlp_widths: tuple[int, ...] = (120, 84)
     """vectors: the MLP's widths (CleanRL's pqn.py)"""
     conv_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -677,21 +677,20 @@ def start(args: Args) -> TrainingRun:
     fields = rollout_fields(args, spec)
     shapes = learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args))
     rollouts = (shapes,) * flags.actor_threads(args)
-    replay_memory = replay.empty_memory(args, replay_fields(args, spec), rollouts, learner_blocks(args))
+    replay_shapes = replay.memory_shapes(args, replay_fields(args, spec), rollouts, learner_blocks(args))
     checkpoint_path = checkpoint.checkpoint_path(run_dir)
-    iterations_done, state, replay_memory, episode_window = checkpoint.resume(
-        args, checkpoint_path, state, replay_memory
-    )
+    iterations_done, state, episode_window, saved_replay = checkpoint.resume(args, checkpoint_path, state)
 
     def compile_update(args: Args):  # before any env steps: its memory is known
         update = make_learner_update(agent, args, shuffle_key, mesh, len(rollouts))
-        return update.lower(state, replay_memory, rollouts).compile()
+        return update.lower(state, replay_shapes, rollouts).compile()
 
     compile_start = time.time()
     update = compile_update(args)
     compile_time = time.time() - compile_start
     if args.memory_check:
-        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_memory)
+        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_shapes)
+    replay_memory = replay.place(args, replay_shapes, learner_blocks(args), saved_replay)
 
     logger = None
     if args.process_index == 0:  # process 0 writes logs, checkpoints and the model

@@ -47,7 +47,7 @@ from cleanba.replicas import digest, unreplicate
 @dataclass
 class Args:
     env_id: str = "HalfCheetah-v4"
-    """an EnvPool id with Box actions: MuJoCo's (e.g. Hopper-v4) or dm_control's (CheetahRun-v1)"""
+    """an EnvPool id with Box actions: MuJoCo's (Hopper-v4) or dm_control's (CheetahRun-v1)"""
     total_timesteps: int = flag(1_000_000, "[1, inf)")
     """environment steps of all envs together"""
     seed: int = flag(1, "[0, inf)")
@@ -61,13 +61,13 @@ class Args:
     num_actor_threads: int = flag(2, "[1, inf)", may_change_on_resume=True)
     """the number of actor threads per actor device"""
     num_steps: int = flag(8, "[1, inf)")
-    """the steps of each env per rollout: the actors' policy changes once per rollout"""
+    """the steps of each env per rollout (the actors' params change once per rollout)"""
     buffer_size: int = flag(1_000_000, "[1, inf)")
-    """the replay memory's transitions, of all envs together (each env keeps an equal share)"""
+    """the replay memory's transitions, of all envs (an equal share each)"""
     replay_batch_size: int = flag(256, "[1, inf)")
-    """transitions per gradient step, the same number from every env's memory"""
+    """transitions per gradient step, as many from every env"""
     updates_per_step: float = flag(1.0, "(0, inf)")
-    """critic updates per env step (CleanRL's 1): num_steps x num_envs x this per rollout"""
+    """critic updates per env step (CleanRL's 1), per rollout rounded to policy_frequency's multiple"""
     learning_starts: int = flag(5_000, "[0, inf)")
     """env steps of uniform random actions before learning starts"""
     gamma: float = flag(0.99, "[0, 1]")
@@ -79,16 +79,16 @@ class Args:
     q_lr: float = flag(1e-3, "(0, inf)")
     """the learning rate of the critics and the entropy temperature"""
     policy_frequency: int = flag(2, "[1, inf)")
-    """update the policy (that many times) every this many critic updates (TD3's delay)"""
+    """update the policy (that many times) every this many critic updates"""
     alpha: float = flag(0.2, "(0, inf)")
-    """the entropy temperature, without --autotune"""
+    """the temperature, without --autotune"""
     autotune: bool = True
     """tune the temperature toward a target entropy of minus the action dimension"""
     hidden_dim: int = flag(256, "[1, inf)")
-    """width of the two ReLU layers of the policy and of each critic"""
+    """width of the policy's and critics' two ReLU layers"""
     concurrency: bool = False
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
-    num_minibatches: tyro.conf.Suppress[int] = 1  # the engine's rollout minibatches: SAC's come from the memory
+    num_minibatches: tyro.conf.Suppress[int] = 1  # the engine's minibatch_size: SAC's are replay_batch_size
 
     # ======== ENGINE: the engine's flags, the run's sizes, the rollout's containers
     atari_protocol: Literal["machado", "impala"] = "machado"
@@ -202,173 +202,116 @@ def merge_rollouts(args: Args, rollouts: tuple) -> tuple:
     return rollout, make_groups(args, rollout.env_ids[0], env_sets, MICRO_BATCHES_SPLIT)
 
 
-# ======== ALGORITHM: the squashed Gaussian policy, twin critics, the replay memory, SAC's update, the hooks
-
-LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds of the policy's log std
+# ======== ALGORITHM: the squashed Gaussian policy, twin critics, SAC's update, the hooks
 
 
 def dense(features: int):
-    """PyTorch's nn.Linear weights, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as CleanRL's networks start."""
+    """PyTorch's default weights, as CleanRL's."""
     return nn.Dense(features, kernel_init=nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"))
 
 
-class Actor(nn.Module):
-    """The means and log stds (squashed into CleanRL's bounds) of a Gaussian over the pre-tanh actions."""
-
-    action_dim: int
+class MLP(nn.Module):
     hidden_dim: int
+    outputs: int
 
     @nn.compact
-    def __call__(self, obs):
-        x = obs.reshape(obs.shape[0], -1).astype(jnp.float32)
+    def __call__(self, x):
         x = nn.relu(dense(self.hidden_dim)(nn.relu(dense(self.hidden_dim)(x))))
-        log_std = jnp.tanh(dense(self.action_dim)(x))
-        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
-        return jnp.concatenate([dense(self.action_dim)(x), log_std], axis=1)
+        return dense(self.outputs)(x)
 
 
-class Critic(nn.Module):
-    hidden_dim: int
-
-    @nn.compact
-    def __call__(self, obs, actions):
-        x = jnp.concatenate([obs.reshape(obs.shape[0], -1).astype(jnp.float32), actions], axis=1)
-        x = nn.relu(dense(self.hidden_dim)(nn.relu(dense(self.hidden_dim)(x))))
-        return dense(1)(x)[:, 0]
+TwinMLP = nn.vmap(MLP, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, axis_size=2)
 
 
-# Two critics with their own params, (2, n) Q-values: one network's code, vmapped.
-TwinCritic = nn.vmap(Critic, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, axis_size=2)
+def vector(obs):
+    return obs.reshape(obs.shape[0], -1).astype(jnp.float32)
 
 
 class Agent(nn.Module):
-    """The policy, the twin critics, their target copies (collection "target", equal at the start) and
-    the log temperature."""
+    """The policy, twin critics, their targets (collection "target") and the log temperature."""
 
     action_dim: int
     hidden_dim: int
-    action_scale: tuple  # (high - low) / 2 of each action component
+    action_scale: tuple  # (high - low) / 2
     action_bias: tuple  # (high + low) / 2
 
     def setup(self):
-        self.actor = Actor(self.action_dim, self.hidden_dim)
-        self.critic = TwinCritic(self.hidden_dim)
+        self.actor = MLP(self.hidden_dim, 2 * self.action_dim)
+        self.critic = TwinMLP(self.hidden_dim, 1)
         self.log_alpha = self.param("log_alpha", nn.initializers.zeros, ())
 
     def __call__(self, obs):
-        """obs -> (the Gaussian (n, 2 x action dims), the smaller Q of the mean action (n,))."""
-        policy = self.actor(obs)
-        q = self.critic(obs, squash(self, policy, jnp.zeros_like(policy[:, : self.action_dim]))[0])
-        if self.is_initializing():
+        """obs -> (the Gaussian, min Q of its mean's action)."""
+        policy = self.policy(obs)
+        q = self.q(obs, squash(self, policy, 0.0)[0])
+        if self.is_initializing():  # the targets start as copies (CleanRL's load_state_dict)
             self.put_variable("target", "critic", self.critic.variables["params"])
         return policy, jnp.min(q, axis=0)
 
     def policy(self, obs):
-        return self.actor(obs)
+        """The Gaussian of pre-tanh actions: means, log stds in CleanRL's [-5, 2]."""
+        mean, log_std = jnp.split(self.actor(vector(obs)), 2, axis=1)
+        return jnp.concatenate([mean, -5.0 + 3.5 * (jnp.tanh(log_std) + 1)], axis=1)
 
     def q(self, obs, actions):
-        return self.critic(obs, actions)
+        return self.critic(jnp.concatenate([vector(obs), actions], axis=1))[..., 0]  # (2, n)
 
 
 def squash(agent: Agent, policy, noise):
-    """The action tanh(mean + std x noise), scaled to the bounds, and its log-density with the tanh's
-    correction (SAC paper, appendix C; CleanRL's 1e-6)."""
+    """The action tanh(mean + std x noise) in the bounds, its log-density corrected for the tanh
+    (the SAC paper's appendix C; CleanRL's 1e-6)."""
     mean, log_std = jnp.split(policy, 2, axis=-1)
     y = jnp.tanh(mean + jnp.exp(log_std) * noise)
-    scale, bias = np.asarray(agent.action_scale, np.float32), np.asarray(agent.action_bias, np.float32)
+    scale = np.asarray(agent.action_scale, np.float32)
     logprob = -0.5 * noise**2 - log_std - 0.5 * np.log(2 * np.pi) - jnp.log(scale * (1 - y**2) + 1e-6)
-    return y * scale + bias, jnp.sum(logprob, axis=-1)
+    return y * scale + np.asarray(agent.action_bias, np.float32), jnp.sum(logprob, axis=-1)
 
 
-def remember(agent: Agent, memory: dict, rollout: Rollout) -> dict:
-    """Each env's valid transitions written at its next slots of its ring: EnvPool's auto-reset step
-    never enters; a truncation's next obs is the final obs (the row after it)."""
-    capacity, n = memory["rewards"].shape[0], rollout.valid.shape[1]
-    filled = memory["filled"][0]
-    slots = (filled + jnp.cumsum(rollout.valid, axis=0) - 1) % capacity
-    slots, columns = jnp.where(rollout.valid, slots, capacity), jnp.arange(n)  # invalid: dropped
-
-    def write(x, rows):
-        return x.at[slots, columns].set(rows.astype(x.dtype), mode="drop")
-
-    u = rollout.actions  # the actors' pre-tanh sample
-    scale, bias = np.asarray(agent.action_scale, np.float32), np.asarray(agent.action_bias, np.float32)
-    new = dict(
-        obs=rollout.obs[:-1],
-        next_obs=rollout.obs[1:],
-        actions=jnp.tanh(u) * scale + bias,
-        rewards=rollout.rewards,
-        terminations=rollout.terminations,
-    )
-    memory = dict(memory, **{name: write(memory[name], x) for name, x in new.items()})
-    return dict(memory, filled=(filled + jnp.sum(rollout.valid, axis=0))[None])
-
-
-def sample_batch(args: Args, memory: dict, groups: Groups, key, noises: int):
-    """The same number of transitions from every env's memory, drawn with a key of the global env id:
-    the same global minibatch on every layout; with `noises` standard normal draws per sample."""
-    capacity, per_env = memory["rewards"].shape[0], args.replay_batch_size // args.num_envs
-    stored = jnp.minimum(memory["filled"][0], capacity)
-
-    def draw(env_id, count):
-        slot_key, noise_key = jax.random.split(jax.random.fold_in(key, env_id))
-        slots = jax.random.randint(slot_key, (per_env,), 0, jnp.maximum(count, 1))
-        return slots, jax.random.normal(noise_key, (per_env, noises, memory["actions"].shape[-1]))
-
-    slots, noise = jax.vmap(draw)(memory["env_ids"][0], stored)  # (n, per_env), (n, per_env, noises, d)
-    fields = ("obs", "next_obs", "actions", "rewards", "terminations")
-    batch = groups.take({name: memory[name] for name in fields}, slots.T)
-    valid = jnp.broadcast_to(stored > 0, slots.T.shape).astype(jnp.float32)  # pad envs: none stored
-    return dict(batch, **groups.take(dict(noise=noise.swapaxes(0, 1), valid=valid)))
-
-
-def flat(batch: dict) -> dict:
-    """A micro-batch's (rows, width, ...) fields as (rows x width, ...)."""
-    return {name: x.reshape(-1, *x.shape[2:]) for name, x in batch.items()}
-
-
-def q_values(agent: Agent, params, critic, obs, actions):
-    """(2, n) Q-values of the critic params `critic` (the trained ones, or their target copy)."""
-    return agent.apply({"params": dict(params["params"], critic=critic)}, obs, actions, method=Agent.q)
+def with_params(params, **parts):
+    return dict(params, params=dict(params["params"], **parts))
 
 
 def temperature(args: Args, params):
     return jnp.exp(params["params"]["log_alpha"]) if args.autotune else args.alpha
 
 
+def flat(batch: dict) -> dict:  # (rows, width, ...) fields as (rows x width, ...)
+    return {name: x.reshape(-1, *x.shape[2:]) for name, x in batch.items()}
+
+
+def policy_sample(agent: Agent, params, obs, noise):
+    return squash(agent, agent.apply(params, obs, method="policy"), noise)
+
+
 def critic_loss(agent: Agent, args: Args, params, critic, batch: dict, count):
-    """The twin critics' squared errors to the soft Bellman target of the target critics (CleanRL's
-    qf1_loss + qf2_loss), valid samples summed over the global count."""
+    """Both critics' squared errors to the target critics' soft Bellman target (CleanRL's qf_loss),
+    over the global count of valid samples."""
     b = flat(batch)
-    next_policy = agent.apply(params, b["next_obs"], method=Agent.policy)
-    next_actions, next_logprob = squash(agent, next_policy, b["noise"][:, 0])
-    next_q = jnp.min(q_values(agent, params, params["target"]["critic"], b["next_obs"], next_actions), axis=0)
+    next_actions, next_logprob = policy_sample(agent, params, b["next_obs"], b["noise"][:, 0])
+    targets = with_params(params, critic=params["target"]["critic"])
+    next_q = jnp.min(agent.apply(targets, b["next_obs"], next_actions, method="q"), axis=0)
     soft_value = next_q - temperature(args, params) * next_logprob
     target = jax.lax.stop_gradient(b["rewards"] + (1 - b["terminations"]) * args.gamma * soft_value)
-    q = q_values(agent, params, critic, b["obs"], b["actions"])
-    metrics = dict(qf_loss=jnp.sum((q - target) ** 2, axis=0), qf1_values=q[0], qf2_values=q[1])
+    q = agent.apply(with_params(params, critic=critic), b["obs"], b["actions"], method="q")
+    metrics = dict(qf_loss=jnp.sum((q - target) ** 2, axis=0), qf1_values=q[0])
     metrics = {k: jnp.vdot(v, b["valid"]) / count for k, v in metrics.items()}
     return metrics["qf_loss"], metrics
 
 
 def actor_loss(agent: Agent, args: Args, params, actor, batch: dict, count, draw: int):
-    """alpha x log pi - min Q of the policy's own actions (noise number `draw`), over the global count."""
-    b = flat(batch)
-    policy = agent.apply({"params": dict(params["params"], actor=actor)}, b["obs"], method=Agent.policy)
-    actions, logprob = squash(agent, policy, b["noise"][:, draw])
-    q = jnp.min(q_values(agent, params, params["params"]["critic"], b["obs"], actions), axis=0)
+    """alpha x log pi - min Q of the policy's actions (noise number `draw`)."""
+    b, params = flat(batch), with_params(params, actor=actor)
+    actions, logprob = policy_sample(agent, params, b["obs"], b["noise"][:, draw])
+    q = jnp.min(agent.apply(params, b["obs"], actions, method="q"), axis=0)
     metrics = dict(actor_loss=temperature(args, params) * logprob - q, entropy=-logprob)
     metrics = {k: jnp.vdot(v, b["valid"]) / count for k, v in metrics.items()}
     return metrics["actor_loss"], metrics
 
 
 def mean_logprob(agent: Agent, params, groups: Groups, batch: dict, count, draw: int):
-    """The policy's mean log-density of its own actions over the global minibatch (the temperature's loss)."""
-
     def group_sum(group):
         b = flat(group)
-        policy = agent.apply(params, b["obs"], method=Agent.policy)
-        return jnp.vdot(squash(agent, policy, b["noise"][:, draw])[1], b["valid"])
+        return jnp.vdot(policy_sample(agent, params, b["obs"], b["noise"][:, draw])[1], b["valid"])
 
     return groups.total(group_sum, batch) / count
 
@@ -379,34 +322,34 @@ def optimizers(args: Args) -> dict:
 
 
 def apply_gradients(args: Args, state: TrainState, part: str, grads) -> TrainState:
-    """One Adam step of one part (actor, critic or log_alpha): the others' moments stay as they are."""
+    """An Adam step of one part (actor, critic or log_alpha), no other's."""
     params = state.params["params"]
     updates, opt_state = optimizers(args)[part].update(grads, state.opt_state[part], params[part])
-    params = dict(params, **{part: optax.apply_updates(params[part], updates)})
-    return state.replace(params=dict(state.params, params=params), opt_state=dict(state.opt_state, **{part: opt_state}))
+    params = with_params(state.params, **{part: optax.apply_updates(params[part], updates)})
+    return state.replace(params=params, opt_state=dict(state.opt_state, **{part: opt_state}))
 
 
-def update_critics(agent: Agent, args: Args, groups: Groups, memory: dict, state: TrainState, key):
-    """policy_frequency critic steps on their own minibatches, the first followed by policy_frequency
-    steps of the policy and of the temperature on its minibatch (CleanRL's order), the target critics
-    averaged after each critic step."""
-    metrics = {}
+def update_chunk(agent: Agent, args: Args, groups: Groups, memory: dict, state: TrainState, key):
+    """policy_frequency critic steps, the first followed by policy_frequency policy and temperature
+    steps (CleanRL's order); the targets averaged after each."""
+    names, per_env = ("obs", "next_obs", "actions", "rewards", "terminations"), args.replay_batch_size // args.num_envs
     for j in range(args.policy_frequency):
-        batch = sample_batch(args, memory, groups, jax.random.fold_in(key, j), 1 + 2 * args.policy_frequency)
+        noise = (1 + 2 * args.policy_frequency, agent.action_dim)
+        batch = replay.sample(memory, groups, jax.random.fold_in(key, j), per_env, names, noise)
         count = jnp.maximum(groups.total(jnp.sum, batch["valid"]), 1.0)
         loss = partial(critic_loss, agent, args, state.params)
-        grads, critic_metrics = groups.gradients(loss, state.params["params"]["critic"], batch, count)
+        grads, logged = groups.gradients(loss, state.params["params"]["critic"], batch, count)
         state = apply_gradients(args, state, "critic", grads)
-        metrics = metrics or critic_metrics
+        if j == 0:
+            metrics = logged
         for k in range(args.policy_frequency if j == 0 else 0):
             loss = partial(actor_loss, agent, args, state.params, draw=1 + 2 * k)
             grads, actor_metrics = groups.gradients(loss, state.params["params"]["actor"], batch, count)
             state = apply_gradients(args, state, "actor", grads)
-            if args.autotune:  # d/d log alpha of -alpha (log pi + target entropy), the policy just updated
-                entropy_gap = mean_logprob(agent, state.params, groups, batch, count, 2 + 2 * k) - agent.action_dim
-                alpha = temperature(args, state.params)
-                state = apply_gradients(args, state, "log_alpha", -alpha * entropy_gap)
-                actor_metrics["alpha_loss"] = -alpha * entropy_gap
+            if args.autotune:  # d/d log alpha of -alpha (log pi + target entropy)
+                gap = mean_logprob(agent, state.params, groups, batch, count, 2 + 2 * k) - agent.action_dim
+                state = apply_gradients(args, state, "log_alpha", -temperature(args, state.params) * gap)
+                actor_metrics["alpha_loss"] = -temperature(args, state.params) * gap
         critic, target = state.params["params"]["critic"], state.params["target"]["critic"]
         target = jax.tree.map(lambda c, t: args.tau * c + (1 - args.tau) * t, critic, target)
         state = state.replace(params=dict(state.params, target={"critic": target}))
@@ -425,44 +368,24 @@ def minibatch_env_sets(args: Args) -> int:
 
 
 def check_algorithm(args: Args):
-    """Checks of flags that act together (those of the env count: replay_fields)."""
-    if args.replay_batch_size % args.gradient_accumulation_steps:
-        fail(
-            f"--replay-batch-size={args.replay_batch_size} must be a multiple of --gradient-accumulation-steps="
-            f"{args.gradient_accumulation_steps}"
-        )
+    """None: replay_fields checks the sizes, once the env count is known."""
 
 
 def make_network(args: Args, action_space, platform: str | None = None) -> Agent:
-    """obs -> (the Gaussian (n, 2 x action dims), min Q (n,)), also for a saved model (cleanba/evaluate.py)."""
-    low, high = np.asarray(action_space.low, np.float64), np.asarray(action_space.high, np.float64)
-    scale, bias = tuple(map(float, (high - low) / 2)), tuple(map(float, (high + low) / 2))
+    """obs -> (the Gaussian, min Q), also for a saved model (cleanba/evaluate.py)."""
+    low, high = action_space.low.astype(float), action_space.high.astype(float)
+    scale, bias = tuple(((high - low) / 2).tolist()), tuple(((high + low) / 2).tolist())
     return Agent(action_space.shape[0], args.hidden_dim, scale, bias)
 
 
 def replay_fields(args: Args, spec) -> dict:
-    """Each env's ring of buffer_size / num_envs transitions and its count of transitions written;
-    the flags the env count fixes, checked."""
-    per_env, updates = args.replay_batch_size / args.num_envs, args.updates_per_step * args.batch_size
-    capacity = args.buffer_size // args.num_envs
-    if per_env != int(per_env) or per_env % args.gradient_accumulation_steps:
-        fail(
-            f"--replay-batch-size={args.replay_batch_size} must be a multiple of the {args.num_envs} envs x "
-            f"--gradient-accumulation-steps (each gradient step takes as many transitions from every env)"
-        )
-    if updates != int(updates) or updates % args.policy_frequency:
-        fail(
-            f"--updates-per-step={args.updates_per_step} x {args.batch_size} env steps per rollout must be a "
-            f"whole multiple of --policy-frequency={args.policy_frequency} (updates per rollout)"
-        )
-    if capacity < args.num_steps:
-        fail(f"--buffer-size={args.buffer_size} must hold --num-steps transitions of each of the {args.num_envs} envs")
+    """Each env's ring of buffer_size / num_envs transitions, and its count written."""
+    replay.check_sizes(args)
     obs_shape, obs_dtype = spaces.observation_field(spec.observation_space)
-    obs, action_shape = ((capacity, *obs_shape), obs_dtype), spec.action_space.shape
-    scalar = ((capacity,), np.float32)
-    actions = ((capacity, *action_shape), np.float32)
-    filled = ((1,), np.int32)
-    return dict(obs=obs, next_obs=obs, actions=actions, rewards=scalar, terminations=scalar, filled=filled)
+    capacity = args.buffer_size // args.num_envs
+    obs, scalar = ((capacity, *obs_shape), obs_dtype), ((capacity,), np.float32)
+    actions = ((capacity, *spec.action_space.shape), np.float32)
+    return dict(obs=obs, next_obs=obs, actions=actions, rewards=scalar, terminations=scalar, filled=((1,), np.int32))
 
 
 def recurrent_state_size(args: Args) -> int:
@@ -472,18 +395,17 @@ def recurrent_state_size(args: Args) -> int:
 
 def policy_step(agent: Agent, params, obs, state, starts) -> tuple:
     """The actors' network step: (the Gaussians, the recurrent state)."""
-    return agent.apply(params, obs, method=Agent.policy), state
+    return agent.apply(params, obs, method="policy"), state
 
 
 def sample_actions(args: Args, policy, keys, step):
-    """Each env's pre-tanh action from its Gaussian with its own key, or, before learning_starts env
-    steps, one whose tanh is uniform (CleanRL's random actions); no log-probability."""
+    """Each env's pre-tanh action, with its own key; before learning_starts, a uniform tanh."""
     mean, log_std = jnp.split(policy, 2, axis=-1)
 
     def draw(key):
         noise_key, uniform_key = jax.random.split(key)
-        uniform = jax.random.uniform(uniform_key, mean.shape[1:], minval=-1.0, maxval=1.0)
-        return jax.random.normal(noise_key, mean.shape[1:]), jnp.arctanh(jnp.clip(uniform, -0.999999, 0.999999))
+        uniform = jax.random.uniform(uniform_key, mean.shape[1:], minval=-0.999999, maxval=0.999999)
+        return jax.random.normal(noise_key, mean.shape[1:]), jnp.arctanh(uniform)
 
     noise, random_actions = jax.vmap(draw)(keys)
     actions = jnp.where(step * args.num_envs < args.learning_starts, random_actions, mean + jnp.exp(log_std) * noise)
@@ -497,25 +419,34 @@ def env_actions(actions: np.ndarray, action_space) -> np.ndarray:
 
 
 def make_optimizer(args: Args):
-    """The Adam states of the policy, the critics and the temperature, which learn steps each on its own."""
+    """Adam states of the policy, critics and temperature, each stepped on its own."""
     parts = optimizers(args)
     return optax.GradientTransformation(lambda p: {k: tx.init(p["params"][k]) for k, tx in parts.items()}, None)
 
 
 def learn(agent: Agent, args: Args, shuffle_key, state: TrainState, replay_memory: dict, rollouts: tuple):
-    """One learner iteration on this device's envs (in shard_map): the rollout into the memory, then,
-    past learning_starts env steps, updates_per_step x its env steps critic updates."""
+    """One learner iteration on this device's envs (in shard_map): the rollout into the memory,
+    then, past learning_starts, the updates."""
     rollout, groups = merge_rollouts(args, rollouts)
-    memory = remember(agent, replay_memory, rollout)
-    chunks = round(args.updates_per_step * args.batch_size) // args.policy_frequency
+    scale, bias = np.asarray(agent.action_scale, np.float32), np.asarray(agent.action_bias, np.float32)
+    transitions = dict(
+        obs=rollout.obs[:-1],
+        next_obs=rollout.obs[1:],  # a truncation's: the final obs
+        actions=jnp.tanh(rollout.actions) * scale + bias,
+        rewards=rollout.rewards,
+        terminations=rollout.terminations,
+    )
+    memory = replay.remember(replay_memory, transitions, rollout.valid)
+    chunks = max(1, round(args.updates_per_step * args.batch_size / args.policy_frequency))
     keys = jax.random.split(jax.random.fold_in(shuffle_key, state.step), chunks)  # step: iterations done
 
     def train(state):
-        state, metrics = jax.lax.scan(partial(update_critics, agent, args, groups.of_env_set(0), memory), state, keys)
+        update = partial(update_chunk, agent, args, groups.of_env_set(0), memory)
+        state, metrics = jax.lax.scan(update, state, keys)
         return state, jax.tree.map(jnp.mean, metrics)
 
     def wait(state):
-        return state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(train, state)[1])
+        return state, jax.tree.map(jnp.zeros_like, jax.eval_shape(train, state)[1])
 
     learning = (state.step + 1) * args.batch_size > args.learning_starts
     state, metrics = jax.lax.cond(learning, train, wait, state)
@@ -748,21 +679,20 @@ def start(args: Args) -> TrainingRun:
     fields = rollout_fields(args, spec)
     shapes = learner_shapes(fields, args.local_num_envs, mesh, learner_blocks(args))
     rollouts = (shapes,) * flags.actor_threads(args)
-    replay_memory = replay.empty_memory(args, replay_fields(args, spec), rollouts, learner_blocks(args))
+    replay_shapes = replay.memory_shapes(args, replay_fields(args, spec), rollouts, learner_blocks(args))
     checkpoint_path = checkpoint.checkpoint_path(run_dir)
-    iterations_done, state, replay_memory, episode_window = checkpoint.resume(
-        args, checkpoint_path, state, replay_memory
-    )
+    iterations_done, state, episode_window, saved_replay = checkpoint.resume(args, checkpoint_path, state)
 
     def compile_update(args: Args):  # before any env steps: its memory is known
         update = make_learner_update(agent, args, shuffle_key, mesh, len(rollouts))
-        return update.lower(state, replay_memory, rollouts).compile()
+        return update.lower(state, replay_shapes, rollouts).compile()
 
     compile_start = time.time()
     update = compile_update(args)
     compile_time = time.time() - compile_start
     if args.memory_check:
-        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_memory)
+        memory.check_learner_memory(args, update, compile_update, rollouts, fields, replay_shapes)
+    replay_memory = replay.place(args, replay_shapes, learner_blocks(args), saved_replay)
 
     logger = None
     if args.process_index == 0:  # process 0 writes logs, checkpoints and the model

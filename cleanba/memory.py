@@ -136,11 +136,11 @@ def check_learner_memory(args, update, compile_update, rollouts: tuple, fields, 
     """Refuse a learner that cannot fit in memory, before training (check_memory). update: the compiled learner
     update; compile_update(args): the same for other args, tried with more --gradient-accumulation-steps for the
     advice. rollouts: the update's rollout shapes (one per actor thread); fields: one actor thread's host storage;
-    replay_memory: the learner's (replay.py)."""
+    replay_memory: the learner's shapes (replay.py)."""
     learner_devices = [jax.local_devices()[i] for i in args.learner_device_ids]
     mesh_size = args.world_size * len(learner_devices)
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh_size
-    replay_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(replay_memory)) // mesh_size
+    replay_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(replay_memory)) // mesh_size
     host_storage = len(rollouts) * sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields)
 
     def accumulation_needs(steps: int) -> dict:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from cleanba.flags import actor_threads
+from cleanba.flags import actor_threads, fail
 from cleanba.reductions import split_envs
 
 
@@ -48,18 +48,22 @@ def memory_shapes(args, fields: dict, rollouts: tuple, blocks: tuple) -> dict:
     return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for name, (shape, dtype) in shapes.items()}
 
 
-def empty_memory(args, fields: dict, rollouts: tuple, blocks: tuple) -> dict:
-    """memory_shapes' memory placed on the learner devices: zeros, each column's global env id in env_ids."""
-    shapes = memory_shapes(args, fields, rollouts, blocks)
+def place(args, shapes: dict, blocks: tuple, saved: dict | None = None) -> dict:
+    """The memory of memory_shapes on the learner devices: zeros, or `saved` (to_host's, in global env order) in
+    this layout's columns; each column's global env id in env_ids."""
     if not shapes:
         return {}
     env_ids = column_env_ids(args, len(shapes["env_ids"].sharding.mesh.local_devices), blocks)
-
-    def zeros():
-        memory = {name: jnp.zeros(x.shape, x.dtype) for name, x in shapes.items()}
-        return dict(memory, env_ids=jnp.asarray(env_ids)[None])
-
-    return jax.jit(zeros, out_shardings={name: x.sharding for name, x in shapes.items()})()
+    real = env_ids >= 0
+    memory = {}
+    for name, x in shapes.items():
+        full = np.zeros(x.shape, x.dtype)
+        if name == "env_ids":
+            full[0] = env_ids
+        elif saved is not None:
+            full[:, real] = np.asarray(saved[name])[:, env_ids[real]]
+        memory[name] = jax.make_array_from_callback(x.shape, x.sharding, lambda index, full=full: full[index])
+    return memory
 
 
 def to_host(memory: dict) -> dict:
@@ -74,15 +78,53 @@ def to_host(memory: dict) -> dict:
     return {name: np.ascontiguousarray(x[:, order]) for name, x in gathered.items()}
 
 
-def from_host(saved: dict, memory: dict) -> dict:
-    """A memory like `memory` (its layout: columns, sharding) holding `saved` (to_host's, in global env order)."""
-    env_ids = np.asarray(multihost_utils.process_allgather(memory["env_ids"], tiled=True))[0]
-    real = env_ids >= 0
-    placed = {"env_ids": memory["env_ids"]}
-    for name, x in memory.items():
-        if name == "env_ids":
-            continue
-        full = np.zeros(x.shape, x.dtype)
-        full[:, real] = np.asarray(saved[name])[:, env_ids[real]]
-        placed[name] = jax.make_array_from_callback(x.shape, x.sharding, lambda index, full=full: full[index])
-    return placed
+def check_sizes(args):
+    """Refuse, before anything starts, a memory whose flags do not fit the run's env count (args.num_envs): every
+    gradient step takes --replay-batch-size / num_envs transitions from each env, and each env's ring of
+    --buffer-size / num_envs slots holds at least one rollout."""
+    per_env = args.replay_batch_size // args.num_envs
+    if args.replay_batch_size % args.num_envs or per_env % args.gradient_accumulation_steps:
+        fail(
+            f"--replay-batch-size={args.replay_batch_size} must be a multiple of the run's {args.num_envs} envs x "
+            f"--gradient-accumulation-steps={args.gradient_accumulation_steps} (each gradient step takes as many "
+            "transitions from every env)"
+        )
+    if args.buffer_size // args.num_envs < args.num_steps:
+        fail(
+            f"--buffer-size={args.buffer_size} must hold a rollout of --num-steps={args.num_steps} transitions for "
+            f"each of the run's {args.num_envs} envs: use at least {args.num_steps * args.num_envs}"
+        )
+
+
+def remember(memory: dict, transitions: dict, valid) -> dict:
+    """Each env's valid transitions ((T, n, ...) fields, valid (T, n)) written at the next slots of its ring (the
+    memory's rows), in order, and counted in memory["filled"]: invalid steps (EnvPool's auto-reset step, pad envs)
+    never enter, so every slot holds a transition to learn from."""
+    filled = memory["filled"][0]
+    capacity = memory[next(iter(transitions))].shape[0]
+    slots = (filled + jnp.cumsum(valid, axis=0) - 1) % capacity
+    slots, columns = jnp.where(valid, slots, capacity), jnp.arange(valid.shape[1])  # out of range: dropped
+
+    def write(x, rows):
+        return x.at[slots, columns].set(rows.astype(x.dtype), mode="drop")
+
+    memory = dict(memory, **{name: write(memory[name], rows) for name, rows in transitions.items()})
+    return dict(memory, filled=(filled + jnp.sum(valid, axis=0, dtype=filled.dtype))[None])
+
+
+def sample(memory: dict, groups, key, per_env: int, names: tuple, noise_shape: tuple = ()) -> dict:
+    """per_env transitions of every env, uniform over those its ring holds, drawn with a key of its global env id
+    (and standard normal noise of noise_shape per transition): the same global minibatch on every layout. Fields
+    (groups, per_env, width, ...) as Groups.take gives them, `valid` 0 where an env holds none (pad envs)."""
+    capacity = memory[names[0]].shape[0]
+    stored = jnp.minimum(memory["filled"][0], capacity)
+
+    def draw(env_id, count):
+        slot_key, noise_key = jax.random.split(jax.random.fold_in(key, env_id))
+        slots = jax.random.randint(slot_key, (per_env,), 0, jnp.maximum(count, 1))
+        return slots, jax.random.normal(noise_key, (per_env, *noise_shape))
+
+    slots, noise = jax.vmap(draw)(memory["env_ids"][0], stored)  # (n, per_env), (n, per_env, *noise_shape)
+    batch = groups.take({name: memory[name] for name in names}, slots.T)
+    valid = jnp.broadcast_to(stored > 0, slots.T.shape).astype(jnp.float32)
+    return dict(batch, **groups.take(dict(noise=noise.swapaxes(0, 1), valid=valid)))

@@ -243,8 +243,9 @@ def replay_memory(module, args, model, rollouts: tuple, shapes_only: bool = True
     zeros on the learner devices."""
     from cleanba import replay
 
-    make = replay.memory_shapes if shapes_only else replay.empty_memory
-    return make(args, module.replay_fields(args, model["spec"]), rollouts, module.learner_blocks(args))
+    blocks = module.learner_blocks(args)
+    shapes = replay.memory_shapes(args, module.replay_fields(args, model["spec"]), rollouts, blocks)
+    return shapes if shapes_only else replay.place(args, shapes, blocks)
 
 
 def compile_learner(
