@@ -216,7 +216,8 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(dense(self.hidden_dim)(nn.relu(dense(self.hidden_dim)(x))))
+        for _ in range(2):
+            x = nn.relu(dense(self.hidden_dim)(x))
         return dense(self.outputs)(x)
 
 
