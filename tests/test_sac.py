@@ -2,6 +2,8 @@
 layout to another, the learner against a plain loop of CleanRL's updates, a resume that restores the memory, and a
 memory too large refused before start."""
 
+import re
+import signal
 import subprocess
 import sys
 from functools import partial
@@ -14,9 +16,9 @@ import optax
 import pytest
 import tyro
 from learner_reference import episode_data
-from support import ROOT, check_ok, script_env
+from support import ROOT, check_ok, run_dir, run_script, scalars, script_env, start_script
 
-from cleanba import replay
+from cleanba import checkpoint, replay
 from cleanba.reductions import make_groups
 
 
@@ -92,7 +94,6 @@ def test_the_memory_holds_each_envs_valid_transitions_and_samples_by_env_id():
 
 LAYOUT_SCRIPT = """
 import sys
-from functools import partial
 from types import SimpleNamespace
 from typing import NamedTuple
 import jax, numpy as np
@@ -110,7 +111,8 @@ for learners, threads, exact in [(1, 2, False), (3, 1, False), (2, 2, True)]:
                            exact=exact, group_envs=2, gradient_accumulation_steps=1)
     mesh = Mesh(np.array(jax.devices()[1:1 + learners]), ("learner",))
     blocks = learner_env_blocks(args, 1, "time")
-    rollouts = (learner_shapes(Fields(((1, args.local_num_envs), np.int32)), args.local_num_envs, mesh, blocks),) * threads
+    fields = Fields(((1, args.local_num_envs), np.int32))
+    rollouts = (learner_shapes(fields, args.local_num_envs, mesh, blocks),) * threads
     fields = dict(obs=((5, 3), np.float32), filled=((1,), np.int32))
     memory = replay.place(args, replay.memory_shapes(args, fields, rollouts, blocks), blocks, saved)
     ids = np.asarray(memory["env_ids"])[0]
@@ -309,3 +311,58 @@ def test_two_iterations_match_the_plain_reference(exact):
     want = reference_learner(jax.device_get(initial), shuffle_key, rollouts)
     assert_params_match(got, want, initial)
     assert all(np.isfinite(float(v)) for m in metrics for v in m.values()) and metrics[1]["alpha"] < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.xla_default
+def test_sac_learns_pendulum(tmp_path):
+    """SAC at CleanRL's defaults (5k random steps, one critic update per env step) swings Pendulum-v1 up within 12.8k
+    steps: 8 envs of 8 steps. On a 2-core Intel Xeon (family 6, model 207), seeds 1, 2 and 3 logged 20-game means of
+    -264, -277 and -291 at 11.5k-12.8k steps, from about -1,500 at random, and -110 to -139 at 16k."""
+    flags = ["--env-id", "Pendulum-v1", "--total-timesteps", "12800", "--log-frequency", "10", "--seed", "1"]
+    process = run_script("sac", [*flags, "--save-model", "--eval-episodes", "4"], tmp_path, timeout=600)
+    check_ok(process)
+    logged = scalars(run_dir(tmp_path))
+    curve = logged["charts/episodic_return"]
+    assert curve[0][1] < -900 and curve[-1][1] > -500, curve
+    evaluated = [value for _, value in logged["eval/episodic_return"]]
+    assert len(evaluated) == 4 and np.mean(evaluated) > -500, evaluated
+    assert 0 < logged["losses/alpha"][-1][1] < 0.5 and logged["losses/qf_loss"][-1][1] > 0
+
+
+def replay_of(path) -> dict:
+    return checkpoint.read_payload(path, ("train_state",))["replay"]
+
+
+@pytest.mark.slow
+def test_resume_restores_the_memory_on_another_layout(tmp_path):
+    """A run stopped by SIGTERM checkpoints its memory (every env's ring in global env order); resumed on a0-l1,2
+    it continues from it: the final checkpoint's rings still hold the first run's transitions in the slots not
+    written since, and count every transition of both runs."""
+    flags = [
+        *["--env-id", "Pendulum-v1", "--hidden-dim", "16", "--num-steps", "8", "--buffer-size", "8000"],
+        *["--learning-starts", "256", "--total-timesteps", "2560", "--checkpoint-frequency", "1000", "--run-name", "r"],
+    ]
+    first = start_script("sac", flags, tmp_path, devices=3)
+    for line in first.stdout:
+        if line.startswith("step "):
+            first.send_signal(signal.SIGTERM)
+            break
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode == 143, output
+    stopped_at = int(re.search(r"checkpoint of iteration (\d+) saved", output).group(1))
+    assert re.search(r"checkpoint of iteration \d+: [\d.]+ MiB on disk", output), output
+    path = tmp_path / "runs" / "r" / "checkpoint.msgpack"
+    saved = replay_of(path)
+    assert 0 < saved["filled"].min() and saved["filled"].max() <= 8 * stopped_at, saved["filled"]
+    layout = ["--actor-device-ids", "0", "--learner-device-ids", "1", "2"]
+    process = run_script("sac", [*flags, "--resume", *layout], tmp_path, devices=3, timeout=300)
+    check_ok(process)
+    assert "replay memory sha256" in process.stdout, process.stdout
+    final = replay_of(path)
+    written = saved["filled"][0]
+    assert (final["filled"][0] > written).all()
+    # Each env's ring of 1,000 slots still holds the first run's transitions: none was overwritten.
+    for name in ("obs", "actions", "rewards"):
+        for env in range(8):
+            np.testing.assert_array_equal(final[name][: written[env], env], saved[name][: written[env], env])
