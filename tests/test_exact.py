@@ -80,9 +80,19 @@ SIZES = {  # per (script, env): flags, steps per env per iteration
         ["--lstm", "--lstm-size", "16", "--mlp-widths", "16", "--num-steps", "16", "--num-minibatches", "2"],
         16,
     ),
+    # SAC's replay memory: rings of 100 transitions per env that wrap, learning from the 6th iteration, 2 samples of
+    # every env per critic step; Pendulum's episodes end at 200 steps, within the run.
+    ("sac", "Pendulum-v1"): (
+        [
+            *["--hidden-dim", "16", "--num-steps", "16", "--buffer-size", "800", "--replay-batch-size", "16"],
+            *["--learning-starts", "640", "--updates-per-step", "0.125"],
+        ],
+        16,
+    ),
 }
 NORMALIZER_CURVES = ["normalizer/return_std", "normalizer/obs_std_mean", "normalizer/obs_count"]
 PQN_CURVES = ["losses/q_values", "losses/targets"]  # PQN's loss has no policy, value or entropy terms
+SAC_CURVES = ["losses/qf_loss", "losses/qf1_values", "losses/actor_loss", "losses/alpha", "losses/alpha_loss"]
 DEVICES = 4
 LAYOUTS = {
     "a0-l0": [],
@@ -118,7 +128,7 @@ def exact_args(script, env_id, threads, envs=ENVS):
 
 def curves(directory) -> dict:
     logged = scalars(directory)
-    tags = [tag for tag in CURVES + PQN_CURVES + NORMALIZER_CURVES if tag in logged]
+    tags = [tag for tag in CURVES + PQN_CURVES + SAC_CURVES + NORMALIZER_CURVES if tag in logged]
     return {tag: np.array([value for _, value in logged[tag]], np.float32) for tag in tags}
 
 
@@ -156,7 +166,7 @@ def layout_runs(script, env_id, tmp_path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "env_id"),
-    [("ppo", "CartPole-v1"), ("impala", "Breakout-v5"), ("pqn", "MiniGrid-MemoryS7-v0")],
+    [("ppo", "CartPole-v1"), ("impala", "Breakout-v5"), ("pqn", "MiniGrid-MemoryS7-v0"), ("sac", "Pendulum-v1")],
 )
 def test_bitwise_identical_on_every_layout(script, env_id, tmp_path):
     check_every_layout(script, env_id, tmp_path)
@@ -186,7 +196,8 @@ def check_every_layout(script, env_id, tmp_path):
     assert len(runs) == len(RUNS) + 1, runs.keys()
     reference, (digest,) = runs.pop("a0-l0")
     checksums = reference["stats/params_checksum"]
-    assert len(checksums) == ITERATIONS and len(set(checksums)) == ITERATIONS  # the params changed every time
+    changed = ITERATIONS - 4 if script == "sac" else ITERATIONS  # SAC's learn from the 6th iteration on
+    assert len(checksums) == ITERATIONS and len(set(checksums)) == changed  # the params changed every time
     assert len(reference["charts/episodic_return"]) > 0
     if script == "ppo_continuous":
         assert len(set(reference["normalizer/obs_count"])) == ITERATIONS, reference  # updated every iteration
@@ -196,7 +207,7 @@ def check_every_layout(script, env_id, tmp_path):
             assert logged[tag].tobytes() == reference[tag].tobytes(), (name, tag, logged[tag], reference[tag])
         assert set(digests) == {digest}, (name, digests, digest)
     # The report a user runs on two such runs says so.
-    compared = [tag for tag in CURVES + PQN_CURVES if tag in reference]
+    compared = [tag for tag in CURVES + PQN_CURVES + SAC_CURVES if tag in reference]
     report = subprocess.run(
         [
             sys.executable,
@@ -223,14 +234,15 @@ def check_every_layout(script, env_id, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "env_id"),
-    [("ppo", "CartPole-v1"), ("pqn", "MiniGrid-MemoryS7-v0")],
-    ids=["ppo", "pqn-lstm"],
+    [("ppo", "CartPole-v1"), ("pqn", "MiniGrid-MemoryS7-v0"), ("sac", "Pendulum-v1")],
+    ids=["ppo", "pqn-lstm", "sac"],
 )
 def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
     """A checkpoint resumed on a0-l1,2 trains what it trains resumed on a0-l0, bit for bit: a requeued job may land
     on another device count (--learner-device-ids may change on resume). With --lstm the actors start every env's
     recurrent state from zeros at a resume, as the envs restart from a reset. The resume is the engine's, the same
-    in every script (tests/test_engine.py): PPO's runs check it, PQN's with --lstm the recurrent state besides."""
+    in every script (tests/test_engine.py): PPO's runs check it, PQN's with --lstm the recurrent state besides,
+    SAC's its replay memory (each env's ring placed in the new layout's columns)."""
     import shutil
     import signal
 
