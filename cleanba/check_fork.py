@@ -51,6 +51,7 @@ SIZES = {  # the stock scripts' tiny sizes: flags, env steps per env and rollout
     "impala": (["--hidden-dim", "16", "--num-minibatches", "2"], 8),
     "ppo_continuous": (["--hidden-dim", "16", "--num-minibatches", "2", "--update-epochs", "2"], 64),
     "pqn": (["--mlp-widths", "16", "16", "--num-minibatches", "2", "--update-epochs", "2"], 64),
+    "sac": (["--hidden-dim", "16", "--learning-starts", "0", "--updates-per-step", "0.125", "--buffer-size", "4096"], 64),
 }
 DEFAULT_ENVS = {"Discrete": "CartPole-v1", "Box": "Pendulum-v1"}  # classic control: no ROMs, no physics engine
 SMALL_CNN = (["--channels", "4", "4", "4"], 8)  # image observations: the ResNet at its narrowest, short rollouts
@@ -108,7 +109,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 @dataclass
 class Args:
     fork: tyro.conf.Positional[Path]
-    """the forked training script (a copy of cleanba/cleanba_ppo.py, cleanba_impala.py or cleanba_ppo_continuous.py)"""
+    """the forked training script (a copy of one of cleanba/'s training scripts, cleanba_ppo.py, ...)"""
     env_id: str | None = None
     """the env of the runs (default: CartPole-v1 for a discrete-action fork, Pendulum-v1 for a continuous one)"""
     work_dir: Path | None = None

@@ -83,6 +83,20 @@ TINY = {
         "--log-frequency",
         "1",
     ],
+    # learning from the first rollout, 2 critic updates per 16 env steps, as many samples of 1 to 16 envs
+    "sac": [
+        *["--env-id", "Hopper-v4", "--hidden-dim", "16", "--num-steps", "16", "--log-frequency", "1"],
+        *[
+            "--learning-starts",
+            "0",
+            "--updates-per-step",
+            "0.125",
+            "--replay-batch-size",
+            "16",
+            "--buffer-size",
+            "4096",
+        ],
+    ],
 }
 
 

@@ -174,7 +174,10 @@ def test_a_field_the_loss_reads_but_learn_does_not_pass_is_named(script, tmp_pat
     """The loss reading a field that learn's data dict lacks stops the run at its start, exit 2 in one line that
     says where the field goes (not a traceback through cleanba/reductions.py)."""
     source = SCRIPTS[script].read_text()
-    signature = re.search(r'^def \w+_loss\(agent: Agent, args: "?Args"?, params, batch: dict, count\):\n', source, re.M)
+    signature = re.search(
+        r'^def \w+_loss\(agent: Agent, args: "?Args"?, params, (\w+, )?batch: dict, count', source, re.M
+    )
+    signature = re.compile(r"\):\n").search(source, signature.end())
     docstring_or_body = source[signature.end() :]
     broken = source[: signature.end()] + '    unused = batch["old_values"]  # noqa: F841\n' + docstring_or_body
     fork = tmp_path / "fork" / f"my_{script}.py"
