@@ -464,3 +464,42 @@ def test_cli_plays_a_model_saved_by_an_older_version(tmp_path):
     )
     check_ok(process)
     assert "CartPole-v1: 2 episodes" in process.stdout
+
+
+def test_sac_cli_plays_the_tanh_of_the_means_or_samples(tmp_path):
+    """SAC's saved model (Hopper-v4), its policy's pre-tanh means forced to atanh(0.5, -0.25, 0.9) (zero weights,
+    that bias) and its log stds to CleanRL's floor (-5): greedy, the CLI plays the games of a plain loop sending
+    tanh of the means, (0.5, -0.25, 0.9); sampled games differ from those."""
+    import jax
+    import numpy as np
+    import tyro
+
+    from cleanba import cleanba_sac as module
+    from cleanba.checkpoint import load_model, save_model
+
+    process, model = train_and_save("sac", tmp_path, ["--eval-episodes", 2])
+    assert "evaluation: 2 episodes" in process.stdout
+    args, params, script = load_model(model)
+    forced = jax.tree.map(np.array, params)
+    head = forced["params"]["actor"]["Dense_2"]
+    head["kernel"] = np.zeros_like(head["kernel"])
+    head["bias"] = np.concatenate([np.arctanh([0.5, -0.25, 0.9]), np.full(3, -20.0)]).astype(np.float32)
+    path = tmp_path / "forced.cleanba_model"
+    save_model(path, script, args, forced)
+
+    def play(greedy: bool) -> list:
+        command = [*EVALUATE, path, "--episodes", 4, "--num-envs", 2, "--seed", 7, *["--greedy"] * greedy]
+        process = subprocess.run(
+            list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+        )
+        check_ok(process)
+        lines = [line.split() for line in process.stdout.splitlines() if line.startswith("episode ")]
+        return [(int(line[-1]), float(line[3].rstrip(","))) for line in lines]
+
+    train_args = tyro.cli(module.Args, args=["--env-id", "Hopper-v4"])
+    module.check_args(train_args)
+    reference = constant_box_games("Hopper-v4", [0.5, -0.25, 0.9], 4, 2, 7, module.env_kwargs(train_args))
+    games = play(greedy=True)
+    assert [length for length, _ in games] == [length for length, _ in reference], (games, reference)
+    np.testing.assert_allclose([r for _, r in games], [r for _, r in reference], atol=0.01)
+    assert play(greedy=False) != games

@@ -366,3 +366,30 @@ def test_resume_restores_the_memory_on_another_layout(tmp_path):
     for name in ("obs", "actions", "rewards"):
         for env in range(8):
             np.testing.assert_array_equal(final[name][: written[env], env], saved[name][: written[env], env])
+
+
+REFUSALS = {
+    "a replay batch that the envs do not divide": (
+        ["--replay-batch-size", "100"],
+        "--replay-batch-size=100 must be a multiple of the run's 8 envs",
+    ),
+    "rings shorter than a rollout": (["--buffer-size", "40"], "--buffer-size=40 must hold a rollout of --num-steps=8"),
+    "a memory larger than the host's": (
+        ["--buffer-size", "1000000000"],
+        "replay memory 33.53 GiB",
+        "Lower it with --buffer-size ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refused_before_training(case, tmp_path):
+    """Exit 2 with one line naming the flag and a value that works, before any env steps: the memory's sizes are
+    checked once the run's env count is known, and its bytes (Pendulum-v1's 36 per transition) join the learner's
+    memory check (a billion transitions: 33.5 GiB, more than this 24 GiB machine has)."""
+    flags, *fragments = REFUSALS[case]
+    process = run_script("sac", ["--env-id", "Pendulum-v1", "--total-timesteps", "1000", *flags], tmp_path)
+    assert process.returncode == 2, process.stderr[-2000:]
+    line = process.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in process.stderr and all(fragment in line for fragment in fragments), line
+    assert "step " not in process.stdout and not (tmp_path / "runs").exists()
