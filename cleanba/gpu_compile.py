@@ -141,7 +141,8 @@ def compile_run(module, args, compile_args: CompileArgs, topology) -> dict:
     compiled = lowered.compile()
     learner_seconds = time.time() - start
     queued = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(rollouts)) // mesh.size
-    learner = learner_memory_needs(compiled.memory_analysis(), queued)
+    replay_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(memory)) // mesh.size
+    learner = learner_memory_needs(compiled.memory_analysis(), queued, replay_bytes)
 
     actors, actor_seconds = compile_actors(module, args, agent, action_key, state.params, space, local)
 

@@ -15,7 +15,7 @@ import envpool
 import envpool.entry
 import numpy as np
 import pytest
-from support import ROOT, check_ok, run_script, script_env
+from support import ROOT, TINY, check_ok, run_script, script_env
 
 CHECK_ALL = """
 import json, sys
@@ -73,7 +73,7 @@ CASES = {  # script, env id, flags
     "jumanji-nested-dict": ("impala", "CVRP-v1", ["--num-steps", "8"]),
     "toy-text-discrete-obs": ("pqn", "FrozenLake-v1", ["--num-steps", "16"]),  # PQN: the discrete scripts take turns
     "highway-2d-box-obs": ("ppo", "Highway-v0", ["--num-steps", "16"]),  # (5, 5) kinematics, flattened
-    "highway-dict-box-actions": ("ppo_continuous", "Parking-v0", ["--num-steps", "16"]),
+    "highway-dict-box-actions": ("sac", "Parking-v0", ["--num-steps", "16"]),  # SAC: the Box scripts take turns
     "metaworld-float32-box-actions": ("ppo_continuous", "MetaWorld/Assembly-v3", ["--num-steps", "16"]),
     "box2d-image-obs-box-actions": ("ppo_continuous", "CarRacing-v3", ["--num-steps", "16"]),  # 96 x 96 x 3
 }
@@ -84,7 +84,8 @@ CASES = {  # script, env id, flags
 def test_each_kind_of_space_trains(case, tmp_path):
     script, env_id, flags = CASES[case]
     steps = int(flags[flags.index("--num-steps") + 1])
-    sizes = ["--local-num-envs", 4, "--num-actor-threads", 1, "--num-minibatches", 2, "--hidden-dim", 16]
+    sizes = ["--local-num-envs", 4, "--num-actor-threads", 1, "--hidden-dim", 16]
+    sizes += TINY["sac"][TINY["sac"].index("--learning-starts") :] if script == "sac" else ["--num-minibatches", 2]
     flags = [*flags, *sizes, "--total-timesteps", 3 * 4 * steps, "--log-frequency", 1]
     process = run_script(script, ["--env-id", env_id, *flags], tmp_path, timeout=600)
     check_ok(process)

@@ -176,6 +176,37 @@ def test_continuous_script_compiles_for_a100():
     assert 0.85 < counted / mlp_update_flops_per_step() < 1.15, process.stdout
 
 
+def sac_update_flops_per_step(obs: int = 17, actions: int = 6) -> float:
+    """SAC's update flops per env step at its defaults (HalfCheetah-v4: 17 observations, 6 actions; one critic update
+    per env step of 256 samples, on average one policy and one temperature step per critic step): the critic step is
+    the policy and both target critics forward on the next obs, and both critics' gradient (3 forward passes); the
+    policy step the policy's gradient through both critics; the temperature's one policy forward pass."""
+    from cleanba import cleanba_sac as script
+
+    hidden = script.Args.hidden_dim
+
+    def forward(inputs: int, outputs: int) -> float:
+        return 2 * (inputs * hidden + hidden * hidden + hidden * outputs)
+
+    policy, critics = forward(obs, 2 * actions), 2 * forward(obs + actions, 1)
+    per_sample = (policy + critics + 3 * critics) + 3 * (policy + critics) + policy
+    return per_sample * script.Args.replay_batch_size * script.Args.updates_per_step
+
+
+@pytest.mark.slow
+def test_sac_compiles_for_a100():
+    """cleanba_sac.py on HalfCheetah-v4 at its defaults, a0-l0: GPU code that fits with its replay memory of 1M
+    transitions on the GPU, and the flops of its updates (0.70 GFLOP per env step; CleanRL's: about 0.67)."""
+    process, rows = gpu_compile("a100-40gb", "sac", [*LAYOUTS["a0-l0"], "--env-id", "HalfCheetah-v4"])
+    check_ok(process)
+    print(process.stdout)
+    assert "compute capability 8.0" in process.stdout and "0 cuDNN convolution calls" in process.stdout
+    assert rows == {0: ("actor+learner", rows[0][1], True)}, rows
+    assert re.search(r"replay memory 0\.1[5-7] GiB", process.stdout), process.stdout  # 1M x (2 x 17 + 6 + 2) x 4 B
+    counted = float(re.search(r"([\d.]+) MFLOP per env step", process.stdout)[1]) * 1e6
+    assert 0.85 < counted / sac_update_flops_per_step() < 1.15, (counted, sac_update_flops_per_step())
+
+
 @pytest.mark.slow
 def test_h100_memory_levers():
     """H100 on a0-l0: PPO fits, with 4 accumulation steps it needs clearly less, and --exact (deterministic GPU ops)
