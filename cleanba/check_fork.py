@@ -51,7 +51,10 @@ SIZES = {  # the stock scripts' tiny sizes: flags, env steps per env and rollout
     "impala": (["--hidden-dim", "16", "--num-minibatches", "2"], 8),
     "ppo_continuous": (["--hidden-dim", "16", "--num-minibatches", "2", "--update-epochs", "2"], 64),
     "pqn": (["--mlp-widths", "16", "16", "--num-minibatches", "2", "--update-epochs", "2"], 64),
-    "sac": (["--hidden-dim", "16", "--learning-starts", "0", "--updates-per-step", "0.125", "--buffer-size", "4096"], 64),
+    "sac": (
+        ["--hidden-dim", "16", "--learning-starts", "0", "--updates-per-step", "0.125", "--buffer-size", "4096"],
+        64,
+    ),
 }
 DEFAULT_ENVS = {"Discrete": "CartPole-v1", "Box": "Pendulum-v1"}  # classic control: no ROMs, no physics engine
 SMALL_CNN = (["--channels", "4", "4", "4"], 8)  # image observations: the ResNet at its narrowest, short rollouts

@@ -266,7 +266,7 @@ def compile_learner(
 
     def recording(groups, loss_fn, params, batch: dict, count):
         shapes = jax.tree.map(lambda x: (x.shape, x.dtype), (batch, groups.columns, groups.keys))
-        recorded.append((shapes, groups, loss_fn, (count.shape, count.dtype)))
+        recorded.append((shapes, groups, loss_fn, (count.shape, count.dtype), jax.tree.structure(params)))
         return original(groups, loss_fn, params, batch, count)
 
     update = module.make_learner_update(model["agent"], args, model["shuffle_key"], model["mesh"], len(rollouts))
@@ -284,11 +284,11 @@ def compile_learner(
         update_argument_mib=analysis.argument_size_in_bytes * mib,
         update_output_mib=analysis.output_size_in_bytes * mib,
     )
-    if not minibatch_step:
-        return compiled, memory
+    if not minibatch_step or recorded[0][4] != jax.tree.structure(model["state"].params):
+        return compiled, memory  # a gradient of a part of the params (SAC's critics): no one-step program to compare
     # The gradients' batch and groups are per device, every array (groups, ...): the global ones have groups x
     # devices. The groups' static fields (exact, micro-batches) and the loss are those recorded.
-    shapes, groups, loss_fn, count_shape = recorded[0]
+    shapes, groups, loss_fn, count_shape, _ = recorded[0]
     sharding = jax.sharding.NamedSharding(model["mesh"], P("learner"))
     batch, columns, keys = jax.tree.map(
         lambda sd: jax.ShapeDtypeStruct((sd[0][0] * model["mesh"].size, *sd[0][1:]), sd[1], sharding=sharding),

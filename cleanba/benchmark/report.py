@@ -126,10 +126,14 @@ def table(phases: dict, ratios: dict) -> str:
             )
     if "learner" in phases:
         memory = phases["learner"]["learner_memory"]
+        step = (
+            f"one minibatch step temp {mebibytes(memory['minibatch_step_temp_mib'])} MiB "
+            f"(x{memory['update_over_minibatch_step']:.2f}), "
+            if "minibatch_step_temp_mib" in memory
+            else ""
+        )
         lines.append(
-            "learner device memory (XLA's analysis): "
-            f"update temp {mebibytes(memory['update_temp_mib'])} MiB, one minibatch step temp "
-            f"{mebibytes(memory['minibatch_step_temp_mib'])} MiB (x{memory['update_over_minibatch_step']:.2f}), "
+            f"learner device memory (XLA's analysis): update temp {mebibytes(memory['update_temp_mib'])} MiB, {step}"
             f"update arguments {mebibytes(memory['update_argument_mib'])} MiB"
         )
     if "layers" in phases:
