@@ -302,3 +302,19 @@ def assert_lost_its_peer(returncode: int, output: str):
         assert returncode == -signal.SIGABRT, output
         assert "stopped sending heartbeats" in output or "heartbeat timeout" in output, output
         assert "JAX distributed service detected fatal errors" in output, output
+
+
+def stop_once_training(script: str, args: list, cwd: Path, devices: int) -> tuple:
+    """A run stopped by SIGTERM once training is under way (its first progress line): (its output, the iteration its
+    checkpoint holds, the last whole one)."""
+    import re
+    import signal
+
+    first = start_script(script, args, cwd, devices=devices)
+    for line in first.stdout:
+        if line.startswith("step "):
+            first.send_signal(signal.SIGTERM)
+            break
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode == 143, output
+    return output, int(re.search(r"checkpoint of iteration (\d+) saved", output).group(1))

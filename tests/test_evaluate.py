@@ -263,6 +263,17 @@ def test_cli_carries_the_recurrent_state_of_an_lstm_model(tmp_path):
     assert games != lstm_greedy_games(forced, args, 6, 2, seed=7, carry=False), games
 
 
+def cli_games(path, greedy: bool) -> list:
+    """(length, return) of the 4 games the CLI plays with the model at path on 2 envs, seed 7."""
+    command = [*EVALUATE, path, "--episodes", 4, "--num-envs", 2, "--seed", 7, *["--greedy"] * greedy]
+    process = subprocess.run(
+        list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
+    )
+    check_ok(process)
+    lines = [line.split() for line in process.stdout.splitlines() if line.startswith("episode ")]
+    return [(int(line[-1]), float(line[3].rstrip(","))) for line in lines]
+
+
 def constant_box_games(env_id: str, action, episodes: int, num_envs: int, seed: int, kwargs: dict) -> list:
     """A plain EnvPool loop sending one continuous action always: (length, return) of each game, in the order games
     end, each env playing its share (the step after a game over is EnvPool's reset: not counted)."""
@@ -315,13 +326,7 @@ def test_continuous_cli_plays_the_clipped_means_or_samples(tmp_path):
         forced["params"]["log_std"] = np.full(3, log_std, np.float32)
         path = tmp_path / f"forced{log_std}.cleanba_model"
         save_model(path, script, args, forced)
-        command = [*EVALUATE, path, "--episodes", 4, "--num-envs", 2, "--seed", 7, *["--greedy"] * greedy]
-        process = subprocess.run(
-            list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
-        )
-        check_ok(process)
-        lines = [line.split() for line in process.stdout.splitlines() if line.startswith("episode ")]
-        return [(int(line[-1]), float(line[3].rstrip(","))) for line in lines]
+        return cli_games(path, greedy)
 
     train_args = tyro.cli(module.Args, args=["--env-id", "Hopper-v4"])
     module.check_args(train_args)  # registers EnvPool's MuJoCo family, as a run does
@@ -487,19 +492,10 @@ def test_sac_cli_plays_the_tanh_of_the_means_or_samples(tmp_path):
     path = tmp_path / "forced.cleanba_model"
     save_model(path, script, args, forced)
 
-    def play(greedy: bool) -> list:
-        command = [*EVALUATE, path, "--episodes", 4, "--num-envs", 2, "--seed", 7, *["--greedy"] * greedy]
-        process = subprocess.run(
-            list(map(str, command)), cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=240
-        )
-        check_ok(process)
-        lines = [line.split() for line in process.stdout.splitlines() if line.startswith("episode ")]
-        return [(int(line[-1]), float(line[3].rstrip(","))) for line in lines]
-
     train_args = tyro.cli(module.Args, args=["--env-id", "Hopper-v4"])
     module.check_args(train_args)
     reference = constant_box_games("Hopper-v4", [0.5, -0.25, 0.9], 4, 2, 7, module.env_kwargs(train_args))
-    games = play(greedy=True)
+    games = cli_games(path, greedy=True)
     assert [length for length, _ in games] == [length for length, _ in reference], (games, reference)
     np.testing.assert_allclose([r for _, r in games], [r for _, r in reference], atol=0.01)
-    assert play(greedy=False) != games
+    assert cli_games(path, greedy=False) != games

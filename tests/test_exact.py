@@ -29,7 +29,7 @@ from support import (
     scalars,
     script_env,
     start_pair,
-    start_script,
+    stop_once_training,
 )
 
 pytestmark = pytest.mark.xla_default  # the bits users get, on every layout
@@ -244,19 +244,11 @@ def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
     in every script (tests/test_engine.py): PPO's runs check it, PQN's with --lstm the recurrent state besides,
     SAC's its replay memory (each env's ring placed in the new layout's columns)."""
     import shutil
-    import signal
 
     iterations = 60 if env_id == "CartPole-v1" else 24
     args = [*exact_args(script, env_id, 2), "--checkpoint-frequency", "1000", "--run-name", "r"]
     args[args.index("--total-timesteps") + 1] = iterations * 2 * ENVS * SIZES[script, env_id][1]
-    first = start_script(script, args, tmp_path, devices=DEVICES)
-    for line in first.stdout:  # stop once training is under way: SIGTERM checkpoints the last whole iteration
-        if line.startswith("step "):
-            first.send_signal(signal.SIGTERM)
-            break
-    output = first.communicate(timeout=120)[0]
-    assert first.returncode == 143, output
-    stopped_at = int(re.search(r"checkpoint of iteration (\d+) saved", output).group(1))
+    stopped_at = stop_once_training(script, args, tmp_path, DEVICES)[1]
     assert 1 <= stopped_at < iterations
     runs = {}
     for name, flags in [("a0-l0", []), ("a0-l1,2", LAYOUTS["a0-l1,2"])]:

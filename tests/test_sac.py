@@ -3,7 +3,6 @@ layout to another, the learner against a plain loop of CleanRL's updates, a resu
 memory too large refused before start."""
 
 import re
-import signal
 import subprocess
 import sys
 from functools import partial
@@ -16,7 +15,7 @@ import optax
 import pytest
 import tyro
 from learner_reference import episode_data
-from support import ROOT, check_ok, run_dir, run_script, scalars, script_env, start_script
+from support import ROOT, check_ok, run_dir, run_script, scalars, script_env, stop_once_training
 
 from cleanba import checkpoint, replay
 from cleanba.reductions import make_groups
@@ -343,14 +342,7 @@ def test_resume_restores_the_memory_on_another_layout(tmp_path):
         *["--env-id", "Pendulum-v1", "--hidden-dim", "16", "--num-steps", "8", "--buffer-size", "8000"],
         *["--learning-starts", "256", "--total-timesteps", "2560", "--checkpoint-frequency", "1000", "--run-name", "r"],
     ]
-    first = start_script("sac", flags, tmp_path, devices=3)
-    for line in first.stdout:
-        if line.startswith("step "):
-            first.send_signal(signal.SIGTERM)
-            break
-    output = first.communicate(timeout=120)[0]
-    assert first.returncode == 143, output
-    stopped_at = int(re.search(r"checkpoint of iteration (\d+) saved", output).group(1))
+    output, stopped_at = stop_once_training("sac", flags, tmp_path, 3)
     assert re.search(r"checkpoint of iteration \d+: [\d.]+ MiB on disk", output), output
     path = tmp_path / "runs" / "r" / "checkpoint.msgpack"
     saved = replay_of(path)
