@@ -51,8 +51,8 @@ class Args:
     num_envs: int = 8
     """envs played in parallel (at most --episodes); each plays its share of the episodes"""
     greedy: bool = False
-    """take the most likely action (PQN: the largest Q) instead of sampling as the actors do (PQN: epsilon-greedy at
-    the run's final epsilon)"""
+    """take the most likely action (PQN: the largest Q; SAC: the tanh of the means) instead of sampling as the actors
+    do (PQN: epsilon-greedy at the run's final epsilon)"""
     seed: int | None = None
     """seed of the evaluation envs and action sampling (default: the run's seed, on envs that training never used)"""
     capture_video: bool = False
