@@ -16,6 +16,7 @@ from jax.experimental import multihost_utils
 
 from cleanba.flags import actor_threads, fail
 from cleanba.reductions import split_envs
+from cleanba.replicas import digest
 
 
 def column_env_ids(args, num_local_learners: int, blocks: tuple) -> np.ndarray:
@@ -63,6 +64,8 @@ def place(args, shapes: dict, blocks: tuple, saved: dict | None = None) -> dict:
         elif saved is not None:
             full[:, real] = np.asarray(saved[name])[:, env_ids[real]]
         memory[name] = jax.make_array_from_callback(x.shape, x.sharding, lambda index, full=full: full[index])
+    if saved is not None:  # what training continues from, read back from the devices (compare the checkpoint's line)
+        print(f"rank {args.process_index}: placed replay memory sha256 {digest(to_host(memory))}", flush=True)
     return memory
 
 

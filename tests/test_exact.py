@@ -250,17 +250,33 @@ def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
     args[args.index("--total-timesteps") + 1] = iterations * 2 * ENVS * SIZES[script, env_id][1]
     stopped_at = stop_once_training(script, args, tmp_path, DEVICES)[1]
     assert 1 <= stopped_at < iterations
-    runs = {}
+    runs, outputs = {}, {}
     for name, flags in [("a0-l0", []), ("a0-l1,2", LAYOUTS["a0-l1,2"])]:
         shutil.copytree(tmp_path / "runs", tmp_path / name / "runs")
         process = run_script(script, [*args, "--resume", *flags], tmp_path / name, devices=DEVICES, timeout=300)
         check_ok(process)
         runs[name] = curves(run_dir(tmp_path / name)), final_digests(process.stdout)
+        outputs[name] = process.stdout
+    if script == "sac":  # every env's ring resumed: counts that go on, and the file's contents read back as placed
+        first, last = (
+            replay_of(d / "runs" / "r" / "checkpoint.msgpack")["filled"][0] for d in (tmp_path, tmp_path / "a0-l1,2")
+        )
+        steps = SIZES[script, env_id][1]
+        assert first.tolist() == [steps * stopped_at] * 8  # no game ended before the stop
+        assert last.tolist() == [steps * iterations - 1] * 8  # each env's steps but its auto-reset step after 200
+        file_digest, placed = re.findall(r"replay memory sha256 (\w+)", outputs["a0-l1,2"])
+        assert file_digest == placed, outputs["a0-l1,2"]
     (reference, digest), (logged, digests) = runs["a0-l0"], runs["a0-l1,2"]
     assert len(reference["stats/params_checksum"]) == iterations  # the stopped run's iterations, then the resumed
     for tag in reference:
         assert logged[tag].tobytes() == reference[tag].tobytes(), (tag, logged[tag], reference[tag])
     assert digests == digest and len(digest) == 1
+
+
+def replay_of(path) -> dict:
+    from cleanba.checkpoint import read_payload
+
+    return read_payload(path, ("train_state",))["replay"]
 
 
 def test_a_split_that_cannot_be_exact_says_so(tmp_path):
