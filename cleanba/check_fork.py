@@ -101,7 +101,8 @@ save = checkpoint.save_run_checkpoint
 def save_and_keep(run):
     written = save(run)
     if written:
-        shutil.copyfile(run.checkpoint_path, f"{run.checkpoint_path}.{run.iterations_done}")
+        path = checkpoint.checkpoint_path(run.run_dir)
+        shutil.copyfile(path, f"{path}.{run.iterations_done}")
     return written
 checkpoint.save_run_checkpoint = save_and_keep
 sys.argv = sys.argv[1:]

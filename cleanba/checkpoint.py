@@ -86,13 +86,15 @@ def save_checkpoint(path: Path, args: dict, train_state, iteration: int, episode
     write_atomically(path, dict(payload, replay=memory) if memory else payload)
 
 
-def load_checkpoint(path: Path, args: dict, template, may_change: set):
+def load_checkpoint(path: Path, args: dict, template, may_change: set, defaults: dict | None = None):
     """Returns (iteration, train state like template, episode window, replay memory or {}) of a checkpoint; the
     window is empty in a checkpoint written before it was saved. ValueError, naming the flags, where its
     flags differ from args in one that is not in may_change (those change where or how a run computes or reports,
-    not what it learns: the scripts' flag(..., may_change_on_resume=True))."""
+    not what it learns: the scripts' flag(..., may_change_on_resume=True)). A flag newer than the checkpoint was
+    trained at its default (defaults: the flags' defaults)."""
     payload = read_payload(path, ("train_state",))
     saved, current = json.loads(payload["args"]), json.loads(json.dumps(args))
+    saved = json.loads(json.dumps(defaults or {})) | saved
     conflicts = [
         f"{key}={saved.get(key)} (now {current[key]})"
         for key in current
@@ -110,7 +112,8 @@ def resume_checkpoint(path: Path, args, state):
     """(iterations done, train state, the last games' returns, replay memory) of the run that saved the checkpoint
     at path, on the host; a checkpoint of other hyperparameters or global sizes is refused with the fix."""
     try:
-        return load_checkpoint(path, asdict(args), host_copy(state), flags_that_may_change_on_resume(args))
+        may_change = flags_that_may_change_on_resume(args)
+        return load_checkpoint(path, asdict(args), host_copy(state), may_change, asdict(type(args)()))
     except Unreadable as error:
         fail(f"--resume: {error}; move it away to start the run over, or give another --run-name")
     except ValueError as error:
@@ -172,9 +175,11 @@ def save_run_checkpoint(run) -> bool:
     if run.logger is None:
         return False
     window = run.logger.episode_window()
-    save_checkpoint(run.checkpoint_path, asdict(run.args), host_copy(run.state), run.iterations_done, window, memory)
+    save_checkpoint(
+        checkpoint_path(run.run_dir), asdict(run.args), host_copy(run.state), run.iterations_done, window, memory
+    )
     if memory:
-        size = run.checkpoint_path.stat().st_size / 2**20
+        size = checkpoint_path(run.run_dir).stat().st_size / 2**20
         print(f"checkpoint of iteration {run.iterations_done}: {size:.1f} MiB on disk", flush=True)
     return True
 

@@ -1,7 +1,7 @@
 """Cleanba SAC: actor threads step EnvPool, a data-parallel learner trains from a replay memory.
 
-CleanRL's sac_continuous_action.py on Cleanba's engine (docs/sac.md): each learner device keeps the
-transitions of its envs. The ENGINE blocks are the same in every script (docs/design.md).
+CleanRL's sac_continuous_action.py on Cleanba's engine (docs/sac.md): each learner device keeps its envs'
+transitions. The ENGINE blocks are the same in every script (docs/design.md).
 
     python cleanba/cleanba_sac.py --env-id Hopper-v4 --actor-device-ids 0 --learner-device-ids 1 2
 """
@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanba import checkpoint, devices, flags, lifetime, logs, memory, replay, spaces
+from cleanba import checkpoint, devices, evaluate, flags, lifetime, logs, memory, replay, spaces
 from cleanba.flags import fail, flag
 from cleanba.lifetime import Stop, StopTraining, queue_get, queue_put
 from cleanba.logs import Stopwatch
@@ -47,7 +47,7 @@ from cleanba.replicas import digest, unreplicate
 @dataclass
 class Args:
     env_id: str = "HalfCheetah-v4"
-    """an EnvPool id with Box actions: MuJoCo's (Hopper-v4) or dm_control's (CheetahRun-v1)"""
+    """an EnvPool id with Box actions: MuJoCo's Hopper-v4 or dm_control's CheetahRun-v1"""
     total_timesteps: int = flag(1_000_000, "[1, inf)")
     """environment steps of all envs together"""
     seed: int = flag(1, "[0, inf)")
@@ -67,7 +67,7 @@ class Args:
     replay_batch_size: int = flag(256, "[1, inf)")
     """transitions per gradient step, as many from every env"""
     updates_per_step: float = flag(1.0, "(0, inf)")
-    """critic updates per env step (CleanRL's 1), per rollout rounded to policy_frequency's multiple"""
+    """critic updates per env step (CleanRL's 1), per rollout rounded to a policy_frequency multiple"""
     learning_starts: int = flag(5_000, "[0, inf)")
     """env steps of uniform random actions before learning starts"""
     gamma: float = flag(0.99, "[0, 1]")
@@ -88,9 +88,15 @@ class Args:
     """width of the policy's and critics' two ReLU layers"""
     concurrency: bool = False
     """overlap rollouts and updates: the actor runs one policy version behind the learner"""
-    num_minibatches: tyro.conf.Suppress[int] = 1  # the engine's minibatch_size: SAC's are replay_batch_size
+    num_minibatches: tyro.conf.Suppress[int] = 1  # SAC's minibatches: replay_batch_size
 
     # ======== ENGINE: the engine's flags, the run's sizes, the rollout's containers
+    env_kwargs: tuple[str, ...] = ()
+    """EnvPool options, KEY=VALUE: e.g. Procgen's num_levels=200 start_level=0"""
+    test_frequency: int = flag(0, "[0, inf)", may_change_on_resume=True)
+    """every this many iterations, --eval-episodes games on the test envs (0: never)"""
+    test_env_kwargs: tuple[str, ...] = flag((), may_change_on_resume=True)
+    """KEY=VALUE over --env-kwargs for the test envs, e.g. num_levels=0"""
     atari_protocol: Literal["machado", "impala"] = "machado"
     """Atari settings: Machado et al. 2018's (sticky actions) or the IMPALA paper's (life loss)"""
     frame_stack: int = flag(4, "[1, inf)")
@@ -481,16 +487,15 @@ def fill_runtime_sizes(args: Args, world_size: int, process_index: int):
         )
 
 
-def env_kwargs(args: Args) -> dict:
-    if envpool.registration.registry.specs[args.env_id][0] != "envpool.atari":
-        return {}
-    common = dict(img_height=84, img_width=84, stack_num=args.frame_stack, frame_skip=4, reward_clip=True)
-    common["max_episode_steps"] = 27_000  # 108,000 frames
-    if args.atari_protocol == "machado":  # Machado et al. 2018, section 5; Cleanba, appendix A
-        sticky = dict(repeat_action_probability=0.25, full_action_space=True)
-        return dict(common, **sticky, episodic_life=False, noop_max=1)
-    minimal = dict(repeat_action_probability=0.0, full_action_space=False)
-    return dict(common, **minimal, episodic_life=True, noop_max=30)
+def env_kwargs(args: Args, test: bool = False) -> dict:
+    atari = {}
+    if envpool.registration.registry.specs[args.env_id][0] == "envpool.atari":
+        machado = args.atari_protocol == "machado"  # Machado et al. 2018, section 5; Cleanba, appendix A
+        atari = dict(img_height=84, img_width=84, frame_skip=4, stack_num=args.frame_stack)
+        atari.update(reward_clip=True, max_episode_steps=27_000, episodic_life=not machado)
+        atari.update(noop_max=1 if machado else 30, full_action_space=machado)
+        atari.update(repeat_action_probability=0.25 * machado)
+    return spaces.env_options(args, atari, test)
 
 
 def make_env(args: Args, num_envs: int, seed: int):
@@ -585,7 +590,6 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
 
 
 def make_actor_threads(args: Args, start_iteration: int, mesh: Mesh, policy, stop: Stop) -> tuple:
-    """(param queues, rollout queues, threads) of this process's actor threads, not started."""
     threads_per_device = range(args.num_actor_threads)
     actor_devices = [jax.local_devices()[i] for i in args.actor_device_ids for _ in threads_per_device]
     param_queues = [queue.Queue(maxsize=1) for _ in actor_devices]
@@ -606,8 +610,7 @@ def learner_blocks(args: Args) -> tuple:
 
 
 def make_learner_update(agent, args: Args, shuffle_key, mesh: Mesh, num_actors: int):
-    """(state, replay memory, one rollout per actor thread) -> (state, replay memory, metrics): learn,
-    data-parallel over the mesh."""
+    """learn, data-parallel over the mesh: (state, replay memory, rollouts) -> (state, replay memory, metrics)"""
     return jax.jit(
         jax.shard_map(
             partial(learn, agent, args, shuffle_key),
@@ -656,10 +659,6 @@ class TrainingRun:
     threads: list
     model_path: Path | None = None
 
-    @property
-    def checkpoint_path(self) -> Path:
-        return checkpoint.checkpoint_path(self.run_dir)
-
 
 def start(args: Args) -> TrainingRun:
     """Everything before the first iteration: bad input fails before any thread starts."""
@@ -699,6 +698,7 @@ def start(args: Args) -> TrainingRun:
     if args.process_index == 0:  # process 0 writes logs, checkpoints and the model
         purge_step = iterations_done * args.batch_size + 1 if iterations_done else None
         logger = logs.IterationLogger(args, run_dir, purge_step, episode_window, compile_time)
+        evaluate.start_tests(sys.modules[__name__], logger, stop)
         logs.print_start(args, run_dir, learner_blocks(args))
 
     start_iteration = iterations_done + 1
@@ -710,7 +710,6 @@ def start(args: Args) -> TrainingRun:
 
 
 def send_params_for_rollout(run: TrainingRun, rollout: int):
-    """Queue the current params for every actor's rollout number `rollout`, if the run has one."""
     if rollout <= run.args.num_iterations:
         params = unreplicate(run.state.params)
         for q in run.param_queues:
@@ -732,7 +731,7 @@ def train(run: TrainingRun):
         start_time = time.time()
         received = [queue_get(q, stop) for q in run.rollout_queues]  # (rollout, RolloutInfo) pairs
         rollout_queue_wait = time.time() - start_time
-        # An actor queues a rollout once the learner took its previous one: its wait is known now.
+        # An actor's wait ends when the learner takes its previous rollout.
         rollout_infos = [
             info._replace(rollout_queue_wait=max(0.0, (taken or info.handover_start) - info.handover_start))
             for (_, info), taken in zip(received, taken_at)
@@ -778,9 +777,7 @@ def main(args: Args):
         lifetime.shut_down(run, checkpoint.save_run_checkpoint)
     try:
         if run.model_path is not None and args.eval_episodes and not run.stop.signals:
-            from cleanba.evaluate import evaluate_after_training
-
-            evaluate_after_training(sys.modules[__name__], run)
+            evaluate.evaluate_after_training(sys.modules[__name__], run)
     finally:
         lifetime.close_and_exit(run)
 

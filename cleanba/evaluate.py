@@ -10,19 +10,21 @@ points at a fork elsewhere), so evaluation sees exactly what training saw: the s
 stack, sticky actions and episode cap. Returns are raw game scores of whole games (unclipped; a lost life does
 not end a game), as the training scripts' charts/episodic_return.
 
-Each training script runs `evaluate_after_training` at the end of a --save-model run (imported only then): it
+Each training script runs `evaluate_after_training` at the end of a --save-model run : it
 logs eval/episodic_return (one point per episode, x = episode index) next to the run's other curves, writes
 videos to runs/<run_name>/videos/ with --capture-video, and uploads with --upload-model.
 """
 
 import importlib.util
 import json
+import queue
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from cleanba.startup import hide_cuda_plugin, known_env
@@ -37,6 +39,7 @@ from cleanba import spaces
 from cleanba.checkpoint import Unreadable, load_model
 from cleanba.family import FAMILY
 from cleanba.flags import check_hub_login, fail
+from cleanba.lifetime import queue_get, queue_put, stops_run_on_error
 from cleanba.logs import GameScores
 
 VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 frames of the 60 Hz game
@@ -55,6 +58,8 @@ class Args:
     do (PQN: epsilon-greedy at the run's final epsilon)"""
     seed: int | None = None
     """seed of the evaluation envs and action sampling (default: the run's seed, on envs that training never used)"""
+    env_kwargs: tuple[str, ...] = ()
+    """EnvPool options as KEY=VALUE over the run's --env-kwargs: e.g. Procgen's unseen levels, num_levels=0"""
     capture_video: bool = False
     """record the episodes of the first env to MP4 files in --video-dir"""
     video_dir: Path | None = None
@@ -150,9 +155,13 @@ def evaluate(
     seed: int | None = None,
     video_dir: Path | None = None,
     interrupted=lambda: False,
+    act=None,
+    env_kwargs: dict | None = None,
 ) -> tuple:
-    """Play `episodes` whole games with the training script's network and wrappers. Returns (returns, lengths,
-    video paths); episode i of the result is the i-th to finish. Stops early when interrupted() is true."""
+    """Play `episodes` whole games with the training script's network and wrappers (act: the policy of
+    spaces.make_eval_policy, and env_kwargs: EnvPool's options, by default the script's for train_args). Returns
+    (returns, lengths, video paths); episode i of the result is the i-th to finish. Stops early when interrupted()
+    is true."""
     import envpool
     import jax
 
@@ -161,11 +170,12 @@ def evaluate(
     # Training envs are seeded seed + 0 .. num_envs - 1; start after them so evaluation plays unseen envs.
     seed = train_args.seed + train_args.num_envs if seed is None else seed
     recording = video_dir is not None
-    kwargs = dict(module.env_kwargs(train_args), **({"render_mode": "rgb_array"} if recording else {}))
+    kwargs = module.env_kwargs(train_args) if env_kwargs is None else env_kwargs
+    kwargs = dict(kwargs, **({"render_mode": "rgb_array"} if recording else {}))
     envs = envpool.make(train_args.env_id, "gymnasium", num_envs=num_envs, batch_size=num_envs, seed=seed, **kwargs)
     spec = envs.spec
-    agent = module.make_network(train_args, spec.action_space)
-    act = spaces.make_eval_policy(module, agent, greedy, train_args)
+    if act is None:
+        act = spaces.make_eval_policy(module, module.make_network(train_args, spec.action_space), greedy, train_args)
     key = jax.random.key(seed)
     quotas, played = episode_quotas(episodes, num_envs), np.zeros(num_envs, np.int64)
     scores, resetting = GameScores(num_envs), np.zeros(num_envs, bool)
@@ -201,6 +211,68 @@ def evaluate(
     finally:
         envs.close()
     return returns, lengths, videos
+
+
+def with_options(args, pairs) -> object:
+    """args whose --env-kwargs are theirs with the KEY=VALUE pairs over them (a key given again takes the new value)."""
+    merged = {pair.partition("=")[0]: pair for pair in [*args.env_kwargs, *pairs]}
+    return replace(args, env_kwargs=tuple(merged.values()))
+
+
+def start_tests(module, logger, stop):
+    """With --test-frequency, the run's test curve: process 0's Tester, handed each iteration's params by logger."""
+    if logger.args.test_frequency:
+        logger.tester = Tester(module, logger.args, stop, logger.writer)
+
+
+class Tester:
+    """The test curve (--test-frequency): a thread that plays --eval-episodes games with the params of every
+    --test-frequency-th iteration and of the last, on the test envs (--test-env-kwargs over --env-kwargs: Procgen's
+    unseen levels, say), sampling as the actors do, and logs their mean as test/episodic_return (and
+    test/episodic_length) at that iteration's step. The games are those of `evaluate`, on the same env seeds at every
+    test: with --exact, the same curve on every layout. The learner hands it params through a queue of one: it waits
+    only while a test is still queued, and at the last iteration until the tests end."""
+
+    def __init__(self, module, args, stop, writer):
+        import envpool
+
+        self.module, self.args, self.stop, self.writer = module, args, stop, writer
+        self.env_kwargs = module.env_kwargs(args, test=True)
+        spec = envpool.make_spec(args.env_id, **self.env_kwargs)
+        self.act = spaces.make_eval_policy(module, module.make_network(args, spec.action_space), False, args)
+        self.queue, self.done = queue.Queue(maxsize=1), threading.Event()
+        self.thread = threading.Thread(target=stops_run_on_error(self.work), args=(stop,), name="tester", daemon=True)
+        self.thread.start()
+
+    def test(self, iteration: int, params):
+        """Queue a test of params (a host copy) if iteration is one to test; at the last, wait for the tests."""
+        last = iteration == self.args.num_iterations
+        if iteration % self.args.test_frequency == 0 or last:
+            queue_put(self.queue, (iteration, params), self.stop)
+        if last:
+            queue_put(self.queue, None, self.stop)
+            while not self.done.wait(0.2) and not self.stop.is_set():
+                pass
+
+    def work(self, stop):
+        while (item := queue_get(self.queue, stop)) is not None:
+            iteration, params = item
+            games = evaluate(
+                self.module,
+                self.args,
+                params,
+                self.args.eval_episodes,
+                interrupted=stop.is_set,
+                act=self.act,
+                env_kwargs=self.env_kwargs,
+            )
+            if stop.is_set():
+                return
+            step = iteration * self.args.batch_size
+            self.writer.add_scalar("test/episodic_return", np.mean(games[0]), step)
+            self.writer.add_scalar("test/episodic_length", np.mean(games[1]), step)
+            print(f"test at step {step:,}: {summary(games[0])}", flush=True)
+        self.done.set()
 
 
 def log_returns(writer, returns: list):
@@ -366,7 +438,7 @@ def main(args: Args):
         fail(f"{error}; give the .cleanba_model written by a training run's --save-model, or its checkpoint.msgpack")
     script_path = script_of(args.model, script_name, args.script)
     module = load_script(script_path)
-    train_args = args_of_model(module, train_args_dict)
+    train_args = with_options(args_of_model(module, train_args_dict), args.env_kwargs)
     check_params(args.model, script_path, module, train_args, params)
     if args.capture_video:
         spaces.check_video(train_args.env_id)

@@ -103,6 +103,10 @@ def check_flags(args):
             "--capture-video and --upload-model act on the evaluation of the saved model: add --save-model "
             "(and keep --eval-episodes above 0)"
         )
+    if args.test_env_kwargs and not args.test_frequency:
+        fail("--test-env-kwargs sets the test envs of the test curve: add --test-frequency (iterations between tests)")
+    if args.test_frequency and not args.eval_episodes:
+        fail("--test-frequency plays --eval-episodes games at each test: keep --eval-episodes above 0")
     if args.upload_model:  # a missing Hub token must not surface only at the end of a long run
         check_hub_login()
     if args.resume and args.run_name is None and "SLURM_JOB_ID" not in os.environ:

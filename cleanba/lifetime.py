@@ -14,6 +14,8 @@ from traceback import print_exception
 
 import jax
 
+from cleanba.checkpoint import checkpoint_path
+
 
 class StopTraining(Exception):
     """Raised in a thread that waits on a queue after the run was told to stop."""
@@ -132,7 +134,7 @@ def shut_down(run, save_checkpoint):
     join_threads(run.threads)
     signalled = run.stop.signals and not run.stop.errors and run.iterations_done >= run.start_iteration
     if signalled and run.args.checkpoint_frequency and save_checkpoint(run):
-        print(f"checkpoint of iteration {run.iterations_done} saved to {run.checkpoint_path}", flush=True)
+        print(f"checkpoint of iteration {run.iterations_done} saved to {checkpoint_path(run.run_dir)}", flush=True)
     if run.logger is not None:
         run.logger.writer.flush()
     if run.args.distributed:

@@ -103,7 +103,8 @@ class IterationLogger:
     console line every log_frequency iterations. On resume, what the stopped run logged after its checkpoint is
     dropped (purge_step), so the curves continue from there, with the window of the last 20 games the checkpoint
     saved (episode_window). compile_time, the seconds the learner update took to compile ahead of time, is logged
-    once, as stats/learner_compile_time at the first iteration this process logs."""
+    once, as stats/learner_compile_time at the first iteration this process logs. The test curve's Tester
+    (cleanba/evaluate.py, with --test-frequency) is handed each iteration's params."""
 
     def __init__(self, args, run_dir: Path, purge_step=None, episode_window=None, compile_time=None):
         if args.track:
@@ -129,7 +130,7 @@ class IterationLogger:
             self.recent_returns.extend(episode_window["returns"].tolist())
             self.recent_lengths.extend(episode_window["lengths"].tolist())
         self.window_start, self.window_steps = time.time(), 0
-        self.compile_time = compile_time
+        self.compile_time, self.tester = compile_time, None
 
     def log(
         self, iteration: int, rollout_infos: list, episodes: np.ndarray, queue_wait: float, update_time, state, metrics
@@ -149,6 +150,8 @@ class IterationLogger:
             stats["learner_compile_time"], self.compile_time = self.compile_time, None
         for key, value in stats.items():
             writer.add_scalar(f"stats/{key}", value, global_step)
+        if self.tester:
+            self.tester.test(iteration, jax.device_get(unreplicate(state.params)))
         if iteration % args.log_frequency and iteration != args.num_iterations:
             return
         for key, value in jax.device_get(unreplicate(metrics)).items():

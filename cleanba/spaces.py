@@ -120,6 +120,60 @@ def check_video(env_id: str, flag: str = "--capture-video"):
         )
 
 
+# EnvPool's config keys that no --env-kwargs sets: the engine's (env count, batching, seeds, threads, players, the
+# reset's info), the assets' path, and the channels-first frames every script's network reads.
+ENGINE_OPTIONS = {
+    "num_envs", "batch_size", "num_threads", "thread_affinity_offset", "max_num_players", "seed", "env_seed",
+    "gym_reset_return_info", "base_path", "channel_first",
+}  # fmt: skip
+
+
+def env_options(args, protocol: dict, test: bool = False) -> dict:
+    """EnvPool's options of a run: the protocol's (a script's Atari settings), then --env-kwargs over them, and with
+    test --test-env-kwargs over those (the test curve's envs); the KEY=VALUE pairs of both flags checked at each call,
+    each value typed as the env's default config types it. Refused in one line: a pair without "=", a key given
+    twice in one flag, a key the env's config does not have (the refusal names those it has), a value of another
+    type, and a key the engine, the env id or the protocol sets."""
+    flags = {"--env-kwargs": args.env_kwargs, "--test-env-kwargs": getattr(args, "test_env_kwargs", ())}
+    options, env_id = dict(protocol), args.env_id
+    if not any(flags.values()):
+        return options
+    import envpool
+
+    registered = envpool.registration.registry.specs[env_id][2]
+    defaults = make_spec(env_id, {}).config._asdict()
+    fixed = dict.fromkeys(ENGINE_OPTIONS, "the engine sets it")
+    fixed |= dict.fromkeys(set(registered) - {"max_episode_steps"}, f"--env-id={env_id} sets it; choose another id")
+    fixed |= dict.fromkeys(protocol, "the Atari protocol sets it (--atari-protocol)")
+    lists = {key for key, value in defaults.items() if isinstance(value, list)}
+    settable = ", ".join(sorted(set(defaults) - set(fixed) - lists)) or "none"
+    for flag, pairs in flags.items():
+        given = {}
+        for pair in pairs:
+            key, equals, text = pair.partition("=")
+            if not equals or key in given:
+                fail(f"{flag}: {pair!r} is not KEY=VALUE with a key of its own (e.g. {flag} num_levels=200)")
+            if key not in defaults or key in fixed or key in lists:
+                why = fixed.get(key, "a list" if key in lists else f"not {env_id}'s")
+                fail(f"{flag}: {key} cannot be set ({why}); {env_id} takes {settable}")
+            given[key] = typed(flag, key, text, defaults[key])
+        if flag == "--env-kwargs" or test:
+            options |= given
+    return options
+
+
+def typed(flag: str, key: str, text: str, default):
+    """text as a value of default's type: a bool from true/false/1/0, an int, a float, or a str as it is."""
+    booleans = {"true": True, "false": False, "1": True, "0": False}
+    try:
+        if isinstance(default, bool):
+            return booleans[text.lower()]
+        return type(default)(text)
+    except (KeyError, ValueError):
+        kind = {bool: "true or false", int: "an integer", float: "a number"}[type(default)]
+        fail(f"{flag}: {key}={text} is not {kind} (its default: {key}={default})")
+
+
 # EnvPool's VizDoom envs do not start inside a training run here: envpool.make hangs in the actor thread (Basic-v1,
 # holding the GIL, so that not even SIGTERM is handled), and on the multiplayer maps (Cig-v1, MultiDuel-v1) it ends
 # the process with a segmentation fault, though a plain loop makes the single-player ones. Refused where the run
@@ -128,6 +182,18 @@ REFUSED_FAMILIES = {
     "envpool.vizdoom": "its envs do not start inside a Cleanba run (envpool.make hangs in the actor thread, or "
     "ends the process with a segmentation fault on the multiplayer maps)"
 }
+
+
+def make_spec(env_id: str, env_kwargs: dict):
+    """EnvPool's spec of the env, or a one-line refusal saying why EnvPool cannot make it here."""
+    import envpool
+
+    try:
+        return envpool.make_spec(env_id, **env_kwargs)
+    except Exception as error:  # e.g. Procgen without the system's Qt 5
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        family = envpool.registration.registry.specs[env_id][0]
+        fail(f"--env-id={env_id}: EnvPool's {family} cannot make it here: {message}")
 
 
 def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, capture_video: bool = False):
@@ -142,11 +208,7 @@ def check_env(env_id: str, env_kwargs: dict, action_space: str, script: str, cap
     family = envpool.registration.registry.specs[env_id][0]
     if family in REFUSED_FAMILIES:
         fail(f"--env-id={env_id}: EnvPool's {family}: {REFUSED_FAMILIES[family]}; no Cleanba script trains it")
-    try:
-        spec = envpool.make_spec(env_id, **env_kwargs)
-    except Exception as error:  # e.g. Procgen without the system's Qt 5
-        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        fail(f"--env-id={env_id}: EnvPool's {family} cannot make it here: {message}")
+    spec = make_spec(env_id, env_kwargs)
     players = getattr(spec.config, "max_num_players", 1)
     if players > 1:
         fail(f"--env-id={env_id} is a game of {players} players ({family}); every Cleanba script trains one agent")

@@ -203,11 +203,13 @@ CUDA_PACKAGES = ("jax_plugins", "jax_cuda1*", "nvidia", "nvidia_*")
 FAKE_GPU = "NVIDIA H100 80GB HBM3"
 
 
-def in_mount_namespace(command: list, scratch: Path, gpu: str | None = None, cpu_install: bool = True) -> list:
+def in_mount_namespace(
+    command: list, scratch: Path, gpu: str | None = None, cpu_install: bool = True, setup: list = ()
+) -> list:
     """command in a private mount namespace (root; nothing outside it sees its mounts): with gpu, the NVIDIA driver's
     /proc files naming one GPU of that model, as a GPU node shows them; with cpu_install, this environment's
     site-packages without CUDA_PACKAGES (an overlay over it, their files removed in the overlay's layer in scratch), as
-    after the README's CPU install."""
+    after the README's CPU install; then the shell lines of setup."""
     import jax
 
     lines = ["set -e"]
@@ -228,7 +230,7 @@ def in_mount_namespace(command: list, scratch: Path, gpu: str | None = None, cpu
             f"mount -t overlay overlay -o 'lowerdir={site},upperdir={layer}/upper,workdir={layer}/work' '{site}'",
             f"(cd '{site}' && rm -rf {' '.join(CUDA_PACKAGES)})",
         ]
-    lines.append('exec "$@"')
+    lines += [*setup, 'exec "$@"']
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(lines), "sh", *map(str, command)]
 
 

@@ -100,7 +100,6 @@ ENV_CASES = {  # an env whose spaces the script does not train, or that EnvPool 
     ),
     "integer box actions": ("impala", "RobotWarehouse-v0", "integer Box (int32) actions", "no Cleanba script"),
     "a game of two players": ("ppo", "Go9x9-v1", "a game of 2 players", "one agent"),
-    "a family that cannot load here": ("ppo", "BigfishEasy-v0", "envpool.procgen cannot make it here", "Qt 5"),
     "a family whose envs do not start in a run": ("ppo_continuous", "Basic-v1", "envpool.vizdoom", "hangs"),
     "videos of an env EnvPool cannot render": (
         "ppo_continuous",

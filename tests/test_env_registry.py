@@ -46,7 +46,7 @@ def test_every_registry_id_is_trained_by_one_script_or_refused_in_one_line():
     assert len(results) >= 1_600, len(results)
     by_kind = {kind: {i for i, r in results.items() if r[kind] == "trains"} for kind in ["Discrete", "Box"]}
     assert not by_kind["Discrete"] & by_kind["Box"]  # one kind of script per env
-    assert len(by_kind["Discrete"]) >= 350 and len(by_kind["Box"]) >= 1_170, {k: len(v) for k, v in by_kind.items()}
+    assert len(by_kind["Discrete"]) >= 400 and len(by_kind["Box"]) >= 1_170, {k: len(v) for k, v in by_kind.items()}
     assert {"Breakout-v5", "CartPole-v1", "MiniGrid-MemoryS7-v0", "FrozenLake-v1"} <= by_kind["Discrete"]
     assert {"HalfCheetah-v4", "Hopper-v4", "CheetahRun-v1", "MetaWorld/Assembly-v3"} <= by_kind["Box"]
     # Every other outcome is a refusal, exit 2, of one line each (one per kind tried), that says why.
@@ -56,12 +56,11 @@ def test_every_registry_id_is_trained_by_one_script_or_refused_in_one_line():
     neither = {i for i, r in results.items() if set(r.values()) == {"exit 2"}}
     why = {line.split(": error: ")[1].split(" ")[0].split("=")[1].rstrip(":"): line for line in refusals}
     procgen = {i for i in results if envpool_family(i) == "envpool.procgen"}
-    assert len(procgen) == 50 and {i for i in neither if "envpool.procgen" in why[i]} == procgen
-    assert all("Qt 5" in why[i] for i in procgen)  # where the system's Qt 5 is missing, as on CI's machines
+    assert len(procgen) == 50 and procgen <= by_kind["Discrete"]  # with the README's Qt 5 (tests/test_env_options.py)
     assert "players" in why["Go9x9-v1"] and "integer Box (int32) actions" in why["RobotWarehouse-v0"]
     vizdoom = {i for i in results if envpool_family(i) == "envpool.vizdoom"}
     assert len(vizdoom) == 21 and vizdoom <= neither and all("do not start" in why[i] for i in vizdoom)
-    assert len(neither) <= 125, sorted(neither)
+    assert len(neither) <= 75, sorted(neither)
 
 
 def envpool_family(env_id: str) -> str:

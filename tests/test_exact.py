@@ -44,12 +44,18 @@ CURVES = [
     "losses/entropy",
     "charts/episodic_return",
     "charts/episodic_length",
+    "test/episodic_return",
+    "test/episodic_length",
 ]
 SIZES = {  # per (script, env): flags, steps per env per iteration
     # 32 time rows per minibatch: with 8, a fused reduce of the value loss was not yet summed in another order in
     # one group position (the 128-step README demo logged last-bit differences before the masked sums became dots).
+    # The test curve too: 6 games every 5th iteration, by process 0 of every layout.
     ("ppo", "CartPole-v1"): (
-        ["--hidden-dim", "16", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+        [
+            *["--hidden-dim", "16", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2"],
+            *["--test-frequency", "5", "--eval-episodes", "6"],
+        ],
         64,
     ),
     ("ppo", "Breakout-v5"): (
@@ -199,6 +205,8 @@ def check_every_layout(script, env_id, tmp_path):
     changed = ITERATIONS - 4 if script == "sac" else ITERATIONS  # SAC's learn from the 6th iteration on
     assert len(checksums) == ITERATIONS and len(set(checksums)) == changed  # the params changed every time
     assert len(reference["charts/episodic_return"]) > 0
+    if (script, env_id) == ("ppo", "CartPole-v1"):
+        assert len(reference["test/episodic_return"]) == ITERATIONS // 5, reference  # the test curve, on every layout
     if script == "ppo_continuous":
         assert len(set(reference["normalizer/obs_count"])) == ITERATIONS, reference  # updated every iteration
     for name, (logged, digests) in runs.items():

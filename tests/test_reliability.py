@@ -266,13 +266,14 @@ MAY_CHANGE_ON_RESUME = {
     *["exp_name", "run_name", "resume", "log_frequency", "track", "wandb_project_name", "wandb_entity"],
     *["checkpoint_frequency", "save_model", "eval_episodes", "capture_video", "upload_model", "hf_repo_id"],
     *["world_size", "process_index", "local_batch_size", "local_minibatch_size"],  # run-time sizes of a layout
+    *["test_frequency", "test_env_kwargs"],  # the test curve
 }
 LEARNED = {  # every other flag: what is learned
     "common": [
         *["env_id", "atari_protocol", "frame_stack", "total_timesteps", "seed", "learning_rate", "anneal_lr"],
         *["num_steps", "gamma"],
         *["num_minibatches", "ent_coef", "vf_coef", "max_grad_norm", "channels", "hidden_dim", "conv_dtype"],
-        *["concurrency", "gradient_accumulation_steps", "exact", "group_envs"],
+        *["concurrency", "gradient_accumulation_steps", "exact", "group_envs", "env_kwargs"],
     ],
     "ppo": ["gae_lambda", "update_epochs", "norm_adv", "clip_coef"],
     "impala": ["rmsprop_decay", "rmsprop_eps", "lstm", "lstm_size"],
@@ -292,7 +293,7 @@ def other_value(value, hint):
     if isinstance(value, str):
         return f"{value}-other"
     if isinstance(value, list | tuple):
-        return [*value, value[-1]]
+        return [*value, value[-1]] if value else ["num_levels=1"]
     assert value is None, value
     return "other"
 
@@ -324,6 +325,14 @@ def test_a_resume_refuses_every_flag_that_changes_what_is_learned(script, tmp_pa
         else:
             with pytest.raises(ValueError, match=rf"was trained with {name}="):
                 checkpoint.load_checkpoint(path, asdict(other), state, MAY_CHANGE_ON_RESUME)
+    # A checkpoint older than a flag: trained at the flag's default, so resumed at it and refused at another value.
+    older = {name: value for name, value in asdict(args).items() if name != "env_kwargs"}
+    checkpoint.save_checkpoint(path, older, state, 5, {"returns": np.zeros(0), "lengths": np.zeros(0)})
+    defaults = asdict(module.Args())
+    assert checkpoint.load_checkpoint(path, asdict(args), state, MAY_CHANGE_ON_RESUME, defaults)[0] == 5
+    other = replace(args, env_kwargs=("num_levels=1",))
+    with pytest.raises(ValueError, match=r"was trained with env_kwargs=\[\] \(now \['num_levels=1'\]\)"):
+        checkpoint.load_checkpoint(path, asdict(other), state, MAY_CHANGE_ON_RESUME, defaults)
 
 
 # Both lag settings, each resumed one of the two ways (the way does not change what follows the resume), each on
