@@ -125,7 +125,10 @@ def check_memory(
         if other is not None and memory_shortfall(other, learner_devices, host_bytes)[3]:
             fixes.append(f"--gradient-accumulation-steps {steps} (temporaries {format_size(other['temporaries'])})")
         steps *= 2
-    fixes.append("fewer envs per learner device (a smaller --local-num-envs or more --learner-device-ids)")
+    if needs.get("replay_memory"):  # the replay holds --buffer-size transitions whatever the env count: more devices
+        fixes.append("more --learner-device-ids (each holds its envs' share of the replay)")
+    else:
+        fixes.append("fewer envs per learner device (a smaller --local-num-envs or more --learner-device-ids)")
     fail(
         f"the learner needs {format_size(needed)} but {format_size(available)} is left ({source}); per learner device: "
         f"{describe_memory(needs)}. Lower it with {' or '.join(fixes)}; or skip this check with --no-memory-check"

@@ -91,7 +91,7 @@ SIZES = {  # per (script, env): flags, steps per env per iteration
     ("sac", "Pendulum-v1"): (
         [
             *["--hidden-dim", "16", "--num-steps", "16", "--buffer-size", "800", "--replay-batch-size", "16"],
-            *["--learning-starts", "640", "--updates-per-step", "0.125"],
+            *["--learning-starts", "640", "--updates-per-step", "0.125", "--checkpoint-frequency", "20"],
         ],
         16,
     ),
@@ -207,6 +207,15 @@ def check_every_layout(script, env_id, tmp_path):
     assert len(reference["charts/episodic_return"]) > 0
     if (script, env_id) == ("ppo", "CartPole-v1"):
         assert len(reference["test/episodic_return"]) == ITERATIONS // 5, reference  # the test curve, on every layout
+    if script == "sac":  # the last iteration's checkpoint: the memory gathered from every device and process
+        paths = [run_dir(tmp_path / name) / "checkpoint.msgpack" for name in [*RUNS, "d2/rank0"]]
+        (memory, state), *others = [(replay_of(path), train_state_of(path)) for path in paths]
+        assert memory["filled"][0].tolist() == [ITERATIONS * SIZES[script, env_id][1] - 1] * 2 * ENVS  # one reset
+        for path, (other_memory, other_state) in zip(paths[1:], others):
+            assert memory.keys() == other_memory.keys(), path
+            for name in memory:
+                assert memory[name].tobytes() == other_memory[name].tobytes(), (path, name)
+            assert state.tobytes() == other_state.tobytes(), path
     if script == "ppo_continuous":
         assert len(set(reference["normalizer/obs_count"])) == ITERATIONS, reference  # updated every iteration
     for name, (logged, digests) in runs.items():
@@ -274,6 +283,10 @@ def test_resume_on_another_layout_is_exact(script, env_id, tmp_path):
         assert last.tolist() == [steps * iterations - 1] * 8  # each env's steps but its auto-reset step after 200
         file_digest, placed = re.findall(r"replay memory sha256 (\w+)", outputs["a0-l1,2"])
         assert file_digest == placed, outputs["a0-l1,2"]
+        # Saved in global env order from both layouts: on a0-l1,2 each device holds envs of both threads.
+        memory = replay_of(tmp_path / "a0-l0" / "runs" / "r" / "checkpoint.msgpack")
+        other = replay_of(tmp_path / "a0-l1,2" / "runs" / "r" / "checkpoint.msgpack")
+        assert all(memory[name].tobytes() == other[name].tobytes() for name in memory), memory.keys()
     (reference, digest), (logged, digests) = runs["a0-l0"], runs["a0-l1,2"]
     assert len(reference["stats/params_checksum"]) == iterations  # the stopped run's iterations, then the resumed
     for tag in reference:
@@ -285,6 +298,16 @@ def replay_of(path) -> dict:
     from cleanba.checkpoint import read_payload
 
     return read_payload(path, ("train_state",))["replay"]
+
+
+def train_state_of(path) -> np.ndarray:
+    """The checkpoint's train state (params, optimizer states, step) as one array of its leaves' bytes."""
+    import jax
+
+    from cleanba.checkpoint import read_payload
+
+    leaves = jax.tree.leaves(read_payload(path, ("train_state",))["train_state"])
+    return np.concatenate([np.asarray(leaf).ravel().view(np.uint8) for leaf in leaves])
 
 
 def test_a_split_that_cannot_be_exact_says_so(tmp_path):

@@ -332,6 +332,13 @@ def test_sac_learns_pendulum(tmp_path):
     assert 0 < logged["losses/alpha"][-1][1] < 0.5 and logged["losses/qf_loss"][-1][1] > 0
 
 
+def twice_the_host_memory() -> int:
+    """A --buffer-size whose Pendulum-v1 memory (36 bytes a transition) needs twice this machine's memory."""
+    total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    return 8 * (2 * total // 36 // 8 + 1)  # a multiple of the 8 envs
+
+
+TOO_LARGE = twice_the_host_memory()
 REFUSALS = {
     "a replay batch that the envs do not divide": (
         ["--replay-batch-size", "100"],
@@ -339,9 +346,10 @@ REFUSALS = {
     ),
     "rings shorter than a rollout": (["--buffer-size", "40"], "--buffer-size=40 must hold a rollout of --num-steps=8"),
     "a memory larger than the host's": (
-        ["--buffer-size", "1000000000"],
-        "replay memory 33.53 GiB",
+        ["--buffer-size", str(TOO_LARGE)],
+        f"replay memory {TOO_LARGE * 36 / 2**30:.2f} GiB",
         "Lower it with --buffer-size ",
+        "or more --learner-device-ids (each holds its envs' share of the replay)",
     ),
 }
 
@@ -350,7 +358,7 @@ REFUSALS = {
 def test_refused_before_training(case, tmp_path):
     """Exit 2 with one line naming the flag and a value that works, before any env steps: the memory's sizes are
     checked once the run's env count is known, and its bytes (Pendulum-v1's 36 per transition) join the learner's
-    memory check (a billion transitions: 33.5 GiB, more than this 24 GiB machine has)."""
+    memory check (twice this machine's memory, whatever it has)."""
     flags, *fragments = REFUSALS[case]
     process = run_script("sac", ["--env-id", "Pendulum-v1", "--total-timesteps", "1000", *flags], tmp_path)
     assert process.returncode == 2, process.stderr[-2000:]
