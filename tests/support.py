@@ -234,6 +234,21 @@ def in_mount_namespace(
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(lines), "sh", *map(str, command)]
 
 
+def qt5_libraries() -> list:
+    """The system's Qt 5 libraries that EnvPool's Procgen module loads (the README's libqt5gui5), if installed."""
+    listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=True).stdout
+    return sorted({line.split(" => ")[1] for line in listed.splitlines() if "libQt5Gui.so.5 " in line})
+
+
+def require_qt5():
+    """Skip, in one line, a Procgen test where the system's Qt 5 is missing; under CI=true fail, as CI installs it."""
+    if not qt5_libraries():
+        import pytest
+
+        message = "needs the system's Qt 5 for Procgen (the README's libqt5gui5)"
+        pytest.fail(message) if IN_CI else pytest.skip(message)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

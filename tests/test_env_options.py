@@ -10,7 +10,19 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from support import ROOT, TINY, check_ok, in_mount_namespace, run_dir, run_script, scalars, script_command, script_env
+from support import (
+    ROOT,
+    TINY,
+    check_ok,
+    in_mount_namespace,
+    qt5_libraries,
+    require_qt5,
+    run_dir,
+    run_script,
+    scalars,
+    script_command,
+    script_env,
+)
 
 from cleanba import spaces
 
@@ -117,6 +129,7 @@ PROCGEN += ["--local-num-envs", "4", "--num-actor-threads", "1", "--total-timest
 @pytest.mark.slow
 def test_procgen_trains_on_its_training_levels(tmp_path):
     """The README's Qt 5 in place: IMPALA on StarPilot's first 200 levels, tested on the whole distribution."""
+    require_qt5()
     flags = ["--env-kwargs", "num_levels=200", "start_level=0", "--test-frequency", "2"]
     flags += ["--test-env-kwargs", "num_levels=0", "--eval-episodes", "2"]
     process = run_script("impala", [*PROCGEN, *flags], tmp_path, timeout=600)
@@ -124,18 +137,12 @@ def test_procgen_trains_on_its_training_levels(tmp_path):
     assert "final params sha256" in process.stdout and process.stdout.count("test at step") == 2, process.stdout
 
 
-def qt_libraries() -> list:
-    """The system's Qt 5 libraries that EnvPool's Procgen module loads."""
-    listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=True).stdout
-    paths = sorted({line.split(" => ")[1] for line in listed.splitlines() if "libQt5Gui.so.5 " in line})
-    assert paths, "no libQt5Gui.so.5: install the README's system packages"
-    return paths
-
-
+@pytest.mark.needs_root("a mount namespace")
 def test_procgen_without_qt_is_refused_in_one_line(tmp_path):
     """The same command where Qt 5 cannot load (its library replaced by an empty file in a private mount
     namespace): exit 2, one line naming the family and Qt 5, before anything starts."""
-    hide = [f"mount --bind /dev/null {path}" for path in qt_libraries()]
+    require_qt5()
+    hide = [f"mount --bind /dev/null {path}" for path in qt5_libraries()]
     command = in_mount_namespace(script_command("ppo", PROCGEN), tmp_path, cpu_install=False, setup=hide)
     process = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
     errors = [line for line in process.stderr.splitlines() if "error:" in line]

@@ -15,7 +15,7 @@ import envpool
 import envpool.entry
 import numpy as np
 import pytest
-from support import ROOT, TINY, check_ok, run_script, script_env
+from support import IN_CI, ROOT, TINY, check_ok, qt5_libraries, run_script, script_env
 
 CHECK_ALL = """
 import json, sys
@@ -46,7 +46,9 @@ def test_every_registry_id_is_trained_by_one_script_or_refused_in_one_line():
     assert len(results) >= 1_600, len(results)
     by_kind = {kind: {i for i, r in results.items() if r[kind] == "trains"} for kind in ["Discrete", "Box"]}
     assert not by_kind["Discrete"] & by_kind["Box"]  # one kind of script per env
-    assert len(by_kind["Discrete"]) >= 400 and len(by_kind["Box"]) >= 1_170, {k: len(v) for k, v in by_kind.items()}
+    assert len(by_kind["Discrete"]) >= 350 + 50 * bool(qt5_libraries() or IN_CI) and len(by_kind["Box"]) >= 1_170, {
+        k: len(v) for k, v in by_kind.items()
+    }
     assert {"Breakout-v5", "CartPole-v1", "MiniGrid-MemoryS7-v0", "FrozenLake-v1"} <= by_kind["Discrete"]
     assert {"HalfCheetah-v4", "Hopper-v4", "CheetahRun-v1", "MetaWorld/Assembly-v3"} <= by_kind["Box"]
     # Every other outcome is a refusal, exit 2, of one line each (one per kind tried), that says why.
@@ -56,11 +58,14 @@ def test_every_registry_id_is_trained_by_one_script_or_refused_in_one_line():
     neither = {i for i, r in results.items() if set(r.values()) == {"exit 2"}}
     why = {line.split(": error: ")[1].split(" ")[0].split("=")[1].rstrip(":"): line for line in refusals}
     procgen = {i for i in results if envpool_family(i) == "envpool.procgen"}
-    assert len(procgen) == 50 and procgen <= by_kind["Discrete"]  # with the README's Qt 5 (tests/test_env_options.py)
+    if qt5_libraries() or IN_CI:  # CI installs the README's Qt 5
+        assert len(procgen) == 50 and procgen <= by_kind["Discrete"]
+    else:  # refused in one line naming Qt 5 (tests/test_env_options.py hides it where it is installed)
+        assert len(procgen) == 50 and procgen <= neither and all("Qt 5" in why[i] for i in procgen)
     assert "players" in why["Go9x9-v1"] and "integer Box (int32) actions" in why["RobotWarehouse-v0"]
     vizdoom = {i for i in results if envpool_family(i) == "envpool.vizdoom"}
     assert len(vizdoom) == 21 and vizdoom <= neither and all("do not start" in why[i] for i in vizdoom)
-    assert len(neither) <= 75, sorted(neither)
+    assert len(neither) <= 75 + 50 * (not (qt5_libraries() or IN_CI)), sorted(neither)
 
 
 def envpool_family(env_id: str) -> str:
