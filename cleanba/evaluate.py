@@ -41,6 +41,7 @@ from cleanba.family import FAMILY
 from cleanba.flags import check_hub_login, fail
 from cleanba.lifetime import queue_get, queue_put, stops_run_on_error
 from cleanba.logs import GameScores
+from cleanba.replicas import unreplicate
 
 VIDEO_FPS = 30  # agent steps per second of video; an Atari agent step is 4 frames of the 60 Hz game
 
@@ -245,10 +246,13 @@ class Tester:
         self.thread.start()
 
     def test(self, iteration: int, params):
-        """Queue a test of params (a host copy) if iteration is one to test; at the last, wait for the tests."""
+        """Queue a test of the learner's params (a host copy) if iteration is one to test; at the last, wait for the
+        tests."""
+        import jax
+
         last = iteration == self.args.num_iterations
         if iteration % self.args.test_frequency == 0 or last:
-            queue_put(self.queue, (iteration, params), self.stop)
+            queue_put(self.queue, (iteration, jax.device_get(unreplicate(params))), self.stop)
         if last:
             queue_put(self.queue, None, self.stop)
             while not self.done.wait(0.2) and not self.stop.is_set():

@@ -151,7 +151,7 @@ class IterationLogger:
         for key, value in stats.items():
             writer.add_scalar(f"stats/{key}", value, global_step)
         if self.tester:
-            self.tester.test(iteration, jax.device_get(unreplicate(state.params)))
+            self.tester.test(iteration, state.params)
         if iteration % args.log_frequency and iteration != args.num_iterations:
             return
         for key, value in jax.device_get(unreplicate(metrics)).items():
