@@ -19,8 +19,8 @@ for name in ["lstm-1", "lstm-2", "lstm-3", "ff-1", "ff-2", "ff-3"]:
     scalars = events.read_run(RUNS / name).scalars
     returns, lengths = scalars["charts/episodic_return"], scalars["charts/episodic_length"]
     tenths = " ".join(
-        f"{r.mean():.2f}/{l.mean():.0f}"
-        for r, l in zip(np.array_split(returns.value, 10), np.array_split(lengths.value, 10))
+        f"{ret.mean():.2f}/{length.mean():.0f}"
+        for ret, length in zip(np.array_split(returns.value, 10), np.array_split(lengths.value, 10))
     )
     games = scalars["eval/episodic_return"].value
     below = np.flatnonzero(returns.value <= 0.8)
