@@ -551,6 +551,8 @@ def rollout_actor(args, start_iteration, actor_id, device, mesh, policy, param_q
             storage.recurrent_state[0] = np.where(starts[:, None], 0.0, np.asarray(state))
             returns, lengths = np.full((T, n), np.nan), np.full((T, n), np.nan)  # of the games that end
             for t in range(T):
+                if stop.is_set():
+                    return
                 storage.obs[t] = next_obs
                 clock.lap("storage")
                 step = (iteration - 1) * T + t
@@ -592,7 +594,7 @@ def make_actor_threads(args: Args, start_iteration: int, mesh: Mesh, policy, sto
     rollout_queues = [queue.Queue(maxsize=1) for _ in actor_devices]
     threads = []
     for local_id, device in enumerate(actor_devices):
-        actor_id = args.process_index * len(actor_devices) + local_id  # over all processes
+        actor_id = args.process_index * len(actor_devices) + local_id
         queues = param_queues[local_id], rollout_queues[local_id]
         actor_args = (args, start_iteration, actor_id, device, mesh, policy, *queues, stop)
         thread = threading.Thread(target=rollout_actor, args=actor_args, name=f"actor-{actor_id}")

@@ -99,6 +99,24 @@ def test_signal_stops_promptly_with_a_checkpoint(script, signum, tmp_path):
     assert not list((tmp_path / "runs" / "sig").glob("*.tmp"))
 
 
+def test_a_signal_stops_an_actor_in_the_middle_of_a_long_rollout(tmp_path):
+    """SIGTERM while the actor plays its first rollout, a minute or more of env steps (800k of CartPole; Procgen's
+    16k steps of PPO take as long on a 2-core CPU): the actor stops between two steps rather than at the rollout's
+    end, and the run exits at once, with no iteration trained and so no checkpoint."""
+    args = [*TINY["ppo"], "--num-steps", 100_000, "--local-num-envs", 8, "--num-actor-threads", 1]
+    args += ["--total-timesteps", 1_600_000, "--checkpoint-frequency", 1, "--run-name", "long"]
+    process = start_script("ppo", args, tmp_path)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "logs in runs/long" in line:
+            break
+    time.sleep(3)  # the actor is under way in its rollout
+    output = "".join(lines) + stop_and_wait(process, signal.SIGTERM, timeout=20)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "step " not in output and not (tmp_path / "runs" / "long" / "checkpoint.msgpack").exists(), output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "receivers"),
