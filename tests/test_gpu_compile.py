@@ -104,12 +104,11 @@ HEADLINE = {  # name: (flags, processes)
 }
 
 
-# Each script on a0-l0 (its flops) and on one multi-GPU layout, each layout compiled by one script or both: the
-# sharding over learner GPUs is the engine's, the same in both scripts, and -d2 adds the all-reduce across two hosts.
+# Each script on a0-l0 (its flops), and one on a multi-GPU layout: the sharding over learner GPUs is the engine's,
+# the same in every script; a0-l1,2,3-d2 has it on each host, and the learner's all-reduce across two hosts.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("script", "layout"),
-    [("ppo", "a0-l0"), ("ppo", "a0-l1,2,3"), ("impala", "a0-l0"), ("impala", "a0-l1,2,3-d2"), ("pqn", "a0-l0")],
+    ("script", "layout"), [("ppo", "a0-l0"), ("impala", "a0-l0"), ("impala", "a0-l1,2,3-d2"), ("pqn", "a0-l0")]
 )
 def test_default_sizes_compile_for_a100_on_every_headline_layout(script, layout):
     """A100 40GB, the paper's GPU: a0-l0 (actor and learner share the GPU: both count), a0-l1,2,3 and -d2 (two

@@ -404,7 +404,7 @@ def test_signal_after_the_last_iteration_leaves_its_checkpoint(script, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["ppo", "impala", "ppo_continuous"])
+@pytest.mark.parametrize("script", ["ppo", "ppo_continuous"])  # the engine's resume, and the normalizer's
 def test_resume_continues_the_straight_run_bit_for_bit(script, tmp_path):
     """A run resumed from the checkpoint of iteration k ends with the straight run's final params, bit for bit: the
     checkpoint restores the straight run's params, optimizer state and step (which also keys the minibatch
