@@ -230,7 +230,7 @@ def check_every_layout(script, env_id, tmp_path):
         for tag in reference:  # bitwise: the float32 values as logged, every iteration
             assert logged[tag].tobytes() == reference[tag].tobytes(), (name, tag, logged[tag], reference[tag])
         assert set(digests) == {digest}, (name, digests, digest)
-    if script != "ppo":
+    if script != "ppo":  # the report is a tool of its own: PPO's case runs it
         return
     # The report a user runs on two such runs says so.
     compared = [tag for tag in CURVES + PQN_CURVES + SAC_CURVES if tag in reference]

@@ -111,8 +111,8 @@ HEADLINE = {  # name: (flags, processes)
     ("script", "layout"), [("ppo", "a0-l0"), ("impala", "a0-l0"), ("impala", "a0-l1,2,3-d2"), ("pqn", "a0-l0")]
 )
 def test_default_sizes_compile_for_a100_on_every_headline_layout(script, layout):
-    """A100 40GB, the paper's GPU: a0-l0 (actor and learner share the GPU: both count), a0-l1,2,3 and -d2 (two
-    hosts of four GPUs, the learner's all-reduce across them)."""
+    """A100 40GB, the paper's GPU: a0-l0 (actor and learner share the GPU: both count), and a0-l1,2,3-d2 (two hosts
+    of four GPUs, the learner's all-reduce across them)."""
     flags, processes = HEADLINE[layout]
     process, rows = gpu_compile("a100-40gb", script, flags, processes)
     check_ok(process)
