@@ -326,7 +326,11 @@ def score_matrices(table: pd.DataFrame) -> dict:
 
 
 def interval_estimates(score_dict: dict, func, reps: int, args: Args):
-    """rliable's stratified bootstrap (runs resampled within each game), seeded so reruns give the same CIs."""
+    """rliable's stratified bootstrap (runs resampled within each game), seeded so reruns give the same CIs. With one
+    run of each game every resample is the data itself: the intervals are the point estimates, without the reps."""
+    if all(len(scores) == 1 for scores in score_dict.values()):
+        points = {variant: func(scores) for variant, scores in score_dict.items()}
+        return points, {variant: np.stack([point, point]) for variant, point in points.items()}
     return library.get_interval_estimates(
         score_dict,
         func,
