@@ -128,6 +128,30 @@ def test_human_normalized_scores_by_hand():
         assert score_report.normalize(score, env_id, references) == pytest.approx(expected, abs=1e-12), env_id
 
 
+def test_one_run_of_each_game_gives_rliables_intervals_without_its_draws():
+    """With one run of each game every stratified resample is the data: the shortcut's intervals and points are
+    rliable's bootstrap's (here 200 draws), for the final scores' metrics and for a curve's points; with more runs
+    the bootstrap draws."""
+    args = score_report.Args(paths=[], reps=200)
+    rng = np.random.default_rng(0)
+    finals = {"ppo": rng.uniform(0, 2, (1, 3)), "impala": rng.uniform(0, 2, (1, 3))}
+    curves = {"ppo": rng.uniform(0, 2, (1, 3, 5))}
+    per_point = lambda x: np.array([score_report.METRICS["iqm"](x[..., k]) for k in range(x.shape[-1])])  # noqa: E731
+    for scores, func in [(finals, score_report.all_metrics), (curves, per_point)]:
+        points, intervals = score_report.interval_estimates(scores, func, args.reps, args)
+        rliable = score_report.library.get_interval_estimates(
+            scores, func, reps=args.reps, confidence_interval_size=args.confidence
+        )
+        for variant in scores:
+            np.testing.assert_allclose(points[variant], rliable[0][variant])
+            np.testing.assert_allclose(intervals[variant], rliable[1][variant])
+    # with three runs of a game the draws differ: the intervals are the bootstrap's, wider than a point
+    _, intervals = score_report.interval_estimates(
+        {"ppo": rng.uniform(0, 2, (3, 3))}, score_report.all_metrics, 200, args
+    )
+    assert np.all(intervals["ppo"][0] < intervals["ppo"][1]), intervals
+
+
 def test_reference_table_has_the_57_games_of_benchmark_sh():
     atari57 = re.search(r"ATARI57=\(([^)]*)\)", (ROOT / "benchmark.sh").read_text()).group(1).split()
     references = reference_table()
