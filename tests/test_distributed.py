@@ -29,6 +29,9 @@ pytestmark = pytest.mark.slow  # two processes under jax.distributed, each a run
 ITERATIONS = 4
 LOCAL_NUM_ENVS = 4  # per process; the d1 reference runs 2 x 4 envs in one process
 LAYOUT = ["--actor-device-ids", "0", "--learner-device-ids", "1", "--num-actor-threads", "1"]
+# The fault tests' --heartbeat-timeout. At 10 s, a CI machine's other test once starved rank 0 of the CPU long enough
+# that its coordination service declared both ranks dead and aborted rank 1 before its injected fault, 75 s in.
+HEARTBEAT_TIMEOUT = 30
 
 
 def steps(script):
@@ -110,7 +113,7 @@ def test_all_local_devices_visible_under_srun(tmp_path):
 def test_killed_rank_stops_the_other(tmp_path):
     """kill -9 of rank 1 mid-run: rank 0 ends within the heartbeat timeout plus a margin, by its collective's error or
     by JAX's abort on rank 1's missed heartbeats."""
-    heartbeat_timeout = 10
+    heartbeat_timeout = HEARTBEAT_TIMEOUT
     args, _ = tiny_args("ppo", LOCAL_NUM_ENVS, iterations=100_000)
     processes = start_pair("ppo", tmp_path, args, heartbeat_timeout=heartbeat_timeout)
     rank0, rank1 = processes
@@ -157,7 +160,7 @@ def test_actor_fault_in_one_rank_ends_both(tmp_path):
     """An actor error in rank 1 (EnvPool's recv failing): rank 1 exits 1 with the traceback at once, without waiting in
     JAX's shutdown for rank 0, which waits for it in a collective; rank 0 then ends within the heartbeat timeout. Both
     once waited in the shutdown barrier for minutes, and rank 1's traceback was never printed."""
-    heartbeat_timeout = 10
+    heartbeat_timeout = HEARTBEAT_TIMEOUT
     args, _ = tiny_args("ppo", LOCAL_NUM_ENVS, iterations=100_000)
     port = free_port()
     processes = []
