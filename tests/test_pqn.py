@@ -127,13 +127,20 @@ def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, 
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    # One env's squared TD errors summed over its chosen time steps, compiled once: every env's arrays have the
+    # same shapes whatever it samples. Run op by op, each op and its gradient compiled for each count of samples,
+    # the three cases took 116 s of CPU against 76 (2-core AMD EPYC Zen 3).
+    @jax.jit
+    def env_errors(params, obs, state, valid, chosen, actions, targets):
+        q = jnp.take_along_axis(env_q(params, obs, state, valid)[:T], actions[:, None], axis=1)[:, 0]
+        return jnp.sum(jnp.where(chosen & valid, 0.5 * (q - targets) ** 2, 0.0))
+
     def loss(params, samples):  # samples: (env, time indices) pairs
         errors = []
         for j, ts in samples:
-            q = env_q(params, *rows[j])[ts, rollout.actions[ts, j]]
-            errors.append(jnp.where(rollout.valid[ts, j], 0.5 * (q - targets[ts, j]) ** 2, 0.0))
-        errors = jnp.concatenate(errors)
-        return jnp.sum(errors) / max(sum(int(rollout.valid[ts, j].sum()) for j, ts in samples), 1)
+            chosen = np.isin(np.arange(T), ts)
+            errors.append(env_errors(params, *rows[j], chosen, rollout.actions[:, j], targets[:, j]))
+        return sum(errors) / max(sum(int(rollout.valid[ts, j].sum()) for j, ts in samples), 1)
 
     losses, norms, first_step = [], [], step
     for epoch in range(EPOCHS):
@@ -148,7 +155,7 @@ def reference_iteration(agent, args, shuffle_key, params, opt_state, step: int, 
             ]
         for samples in minibatches:
             value, grads = jax.value_and_grad(loss)(params, samples)
-            norms.append(float(optax.global_norm(grads)))
+            norms.append(float(jax.jit(optax.global_norm)(grads)))
             params, opt_state = apply_optimizer(grads, opt_state, params)
             step += 1
             losses.append(float(value))
