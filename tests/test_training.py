@@ -7,14 +7,12 @@ import numpy as np
 import pytest
 from support import (
     LOSS_TAGS,
-    SLOWDOWN,
     TINY,
     check_ok,
     first_losses,
     run_dir,
     run_script,
     scalars,
-    start_script,
 )
 
 from cleanba.reductions import split_envs
@@ -252,37 +250,40 @@ def test_continuous_learns_inverted_pendulum(tmp_path):
     assert len(evaluated) == 4 and np.mean(evaluated) >= 900, evaluated
 
 
+def breakout_curve(seed: int, tmp_path) -> list:
+    """The 20-game mean returns logged by one seed of the Breakout learning run (below)."""
+    flags = ["--channels", "4", "8", "8", "--hidden-dim", "64", "--num-actor-threads", "1", "--local-num-envs", "16"]
+    flags += ["--env-id", "Breakout-v5", "--total-timesteps", "51200", "--learning-rate", "1.5e-3", "--no-anneal-lr"]
+    directory = tmp_path / f"seed{seed}"
+    directory.mkdir()
+    process = run_script("impala", [*flags, "--log-frequency", "5", "--seed", seed], directory, timeout=600)
+    check_ok(process)
+    curve = [value for _, value in scalars(run_dir(directory))["charts/episodic_return"]]
+    assert len(curve) >= 30, curve
+    return curve
+
+
 @pytest.mark.slow
 @pytest.mark.xla_default
 def test_learns_breakout_a_little(tmp_path):
     """Breakout learned in 51,200 steps on a 2-core CPU: IMPALA with a narrow ResNet (channels 4, 8, 8 and 64 hidden
-    units), 16 envs and a constant learning rate of 1.5e-3 (annealed, it would fall to zero over this short run), on
-    two seeds at once, one per core. The 20-game mean return starts at random play's level (the first five logged
-    means, to 8k steps, average below 2.1 over both seeds) and leaves it: the last ten, 35k-51k steps, average 2.2 or
-    more. A run's bits depend on the CPU (XLA compiles for the host's), so each machine draws other curves: the bound
-    is on two seeds' mean. Measured on a 2-core AMD EPYC (Zen 5): seeds 1 to 5 ended at 2.77, 3.25, 2.41, 3.34 and
-    2.69 (the last ten), with the policy gradient taken out of the loss seeds 1 to 3 at 1.94, 1.71 and 1.54; the
-    settings before (32 envs, a rate of 6e-4) ended seeds 1 to 3 at 2.16, 2.00 and 3.41 (the last five)."""
-    flags = ["--channels", "4", "8", "8", "--hidden-dim", "64", "--num-actor-threads", "1", "--local-num-envs", "16"]
-    common = ["--env-id", "Breakout-v5", "--total-timesteps", "51200", "--learning-rate", "1.5e-3", "--no-anneal-lr"]
-    runs = []
-    try:
-        for seed in [1, 2]:  # a log file each: neither waits on a full pipe while the test waits on the other
-            directory = tmp_path / f"seed{seed}"
-            directory.mkdir()
-            args = [*flags, *common, "--log-frequency", "5", "--seed", seed]
-            with open(directory / "output.txt", "w") as output:
-                runs.append((directory, start_script("impala", args, directory, output=output)))
-        for directory, process in runs:
-            process.wait(timeout=600 * SLOWDOWN)
-            assert process.returncode == 0, (directory / "output.txt").read_text()
-    finally:
-        for _, process in runs:
-            process.kill()
-    returns = [[value for _, value in scalars(run_dir(d))["charts/episodic_return"]] for d, _ in runs]
-    assert all(len(curve) >= 30 for curve in returns), returns
-    first, last = np.mean([curve[:5] for curve in returns]), np.mean([curve[-10:] for curve in returns])
-    assert first < 2.1 and last >= 2.2, (first, last, returns)
+    units), 16 envs and a constant learning rate of 1.5e-3 (annealed, it would fall to zero over this short run). The
+    20-game mean return starts at random play's level (the first five logged means, to 8k steps) and leaves it (the
+    last ten, 35k-51k steps). A run's bits depend on the CPU (XLA compiles for the host's), so each machine draws other
+    curves; the test is in two stages, from the seeds below. Seed 1 alone passes with a first five below 2.3 and a
+    last ten of 2.4 or more; otherwise seed 2 runs too and the two seeds' means must be below 2.1 and at least 2.2.
+    Last ten, seeds 1 to 5 on a 2-core AMD EPYC Zen 5: 2.77, 3.25, 2.41, 3.34, 2.69; seeds 1 to 4 on a Zen 3: 3.02,
+    3.58, 2.56, 3.29 (first five 1.62-1.90). With the policy gradient taken out of the loss, seeds 1 to 3 on the Zen
+    5: 1.94, 1.71, 1.54; seeds 1 and 2 on the Zen 3: 1.95, 1.73 (first five 1.59, 1.69). With normal laws fitted to
+    these, seed 1 falls to the second stage once in 14 draws (half the CPU of two seeds on average), a run that
+    learns fails once in 440 (the two seeds' mean alone: once in 370), the mutant passes once in 2,800."""
+    first = breakout_curve(1, tmp_path)
+    if np.mean(first[:5]) < 2.3 and np.mean(first[-10:]) >= 2.4:
+        return
+    second = breakout_curve(2, tmp_path)
+    returns = [first, second]
+    start, last = np.mean([curve[:5] for curve in returns]), np.mean([curve[-10:] for curve in returns])
+    assert start < 2.1 and last >= 2.2, (start, last, returns)
 
 
 @pytest.mark.slow
