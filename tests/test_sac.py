@@ -318,17 +318,19 @@ def test_two_iterations_match_the_plain_reference(exact):
 @pytest.mark.slow
 @pytest.mark.xla_default
 def test_sac_learns_pendulum(tmp_path):
-    """SAC at CleanRL's defaults (5k random steps, one critic update per env step) swings Pendulum-v1 up within 12.8k
-    steps: 8 envs of 8 steps. On a 2-core Intel Xeon (family 6, model 207), seeds 1, 2 and 3 logged 20-game means of
-    -264, -277 and -291 at 11.5k-12.8k steps, from about -1,500 at random, and -110 to -139 at 16k."""
-    flags = ["--env-id", "Pendulum-v1", "--total-timesteps", "12800", "--log-frequency", "10", "--seed", "1"]
-    process = run_script("sac", [*flags, "--save-model", "--eval-episodes", "4"], tmp_path, timeout=600)
+    """SAC at CleanRL's defaults (5k random steps, one critic update per env step) with 64 hidden units, not 256,
+    swings Pendulum-v1 up within 20,480 steps: 8 envs of 8 steps, about 50 s of CPU against 158 for 12,800 steps at
+    256 units. On a 2-core AMD EPYC Zen 3, seeds 1, 2 and 3 logged 20-game means of -148, -148 and -125 at the end
+    (-323, -315 and -324 at 12,800 steps), from about -1,500 at random, and their saved models averaged -122, -120 and
+    -148 over 4 games; with the actor's loss blind to Q, seed 1 ended at -1,251 (its model: -1,169)."""
+    flags = ["--env-id", "Pendulum-v1", "--total-timesteps", "20480", "--hidden-dim", "64", "--seed", "1"]
+    process = run_script("sac", [*flags, "--log-frequency", "10", "--save-model", "--eval-episodes", "4"], tmp_path)
     check_ok(process)
     logged = scalars(run_dir(tmp_path))
     curve = logged["charts/episodic_return"]
-    assert curve[0][1] < -900 and curve[-1][1] > -500, curve
+    assert curve[0][1] < -900 and curve[-1][1] > -400, curve
     evaluated = [value for _, value in logged["eval/episodic_return"]]
-    assert len(evaluated) == 4 and np.mean(evaluated) > -500, evaluated
+    assert len(evaluated) == 4 and np.mean(evaluated) > -400, evaluated
     assert 0 < logged["losses/alpha"][-1][1] < 0.5 and logged["losses/qf_loss"][-1][1] > 0
 
 
