@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow  # two processes under jax.distributed, each a run
 ITERATIONS = 4
 LOCAL_NUM_ENVS = 4  # per process; the d1 reference runs 2 x 4 envs in one process
 LAYOUT = ["--actor-device-ids", "0", "--learner-device-ids", "1", "--num-actor-threads", "1"]
-# The fault tests' --heartbeat-timeout. At 10 s, a CI machine's other test once starved rank 0 of the CPU long enough
-# that its coordination service declared both ranks dead and aborted rank 1 before its injected fault, 75 s in.
+# The fault tests' --heartbeat-timeout. At 10 s, on a loaded CI machine, rank 0's coordination service once declared
+# both ranks' heartbeats missing 75 s into the actor-fault test and aborted rank 1 before its injected fault.
 HEARTBEAT_TIMEOUT = 30
 
 
