@@ -75,13 +75,14 @@ def load_model(path: Path):
 def save_checkpoint(path: Path, args: dict, train_state, iteration: int, episode_window: dict, memory=None):
     """Params, optimizer state and its step count, the iteration (which fixes the global step, the policy
     versions and the actors' RNG counters), the args (which fix the seeds), the logger's window of the last
-    games' returns and lengths (so the first curve point after a resume averages as many games as before) and the
+    games' returns and lengths (so the first curve point after a resume averages as many games as before) with the
+    params of the test curve's tests not yet logged (the resumed run plays them), and the
     replay memory in global env order (replay.to_host), if the script keeps one."""
     payload = {
         "args": json.dumps(args),
         "iteration": iteration,
         "train_state": flax.serialization.to_state_dict(train_state),
-        "episode_window": episode_window,
+        "episode_window": flax.serialization.to_state_dict(episode_window),
     }
     write_atomically(path, dict(payload, replay=memory) if memory else payload)
 
@@ -103,7 +104,10 @@ def load_checkpoint(path: Path, args: dict, template, may_change: set, defaults:
     if conflicts:
         raise ValueError(f"the checkpoint {path} was trained with {', '.join(conflicts)}")
     empty = {"returns": np.zeros(0), "lengths": np.zeros(0)}
-    window = {key: np.asarray(value) for key, value in payload.get("episode_window", empty).items()}
+    window = payload.get("episode_window", empty)
+    window = {key: np.asarray(window[key]) for key in empty} | {
+        "tests": {int(iteration): params for iteration, params in window.get("tests", {}).items()}
+    }
     state = flax.serialization.from_state_dict(template, payload["train_state"])
     return payload["iteration"], state, window, payload.get("replay", {})
 

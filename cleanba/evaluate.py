@@ -221,9 +221,10 @@ def with_options(args, pairs) -> object:
 
 
 def start_tests(module, logger, stop):
-    """With --test-frequency, the run's test curve: process 0's Tester, handed each iteration's params by logger."""
+    """With --test-frequency, the run's test curve: process 0's Tester, handed each iteration's params by logger,
+    first playing the tests that the run it resumes had not logged (its checkpoint's)."""
     if logger.args.test_frequency:
-        logger.tester = Tester(module, logger.args, stop, logger.writer)
+        logger.tester = Tester(module, logger.args, stop, logger.writer, logger.unplayed_tests)
 
 
 class Tester:
@@ -232,9 +233,11 @@ class Tester:
     unseen levels, say), sampling as the actors do, and logs their mean as test/episodic_return (and
     test/episodic_length) at that iteration's step. The games are those of `evaluate`, on the same env seeds at every
     test: with --exact, the same curve on every layout. The learner hands it params through a queue of one: it waits
-    only while a test is still queued, and at the last iteration until the tests end."""
+    only while a test is still queued, and at the last iteration until the tests end. A test handed over and not yet
+    logged is unplayed: a checkpoint keeps those (a stop ends a test unlogged, and the learner may be iterations
+    ahead), and the resumed run plays them first, so no point of the curve is lost to a stop."""
 
-    def __init__(self, module, args, stop, writer):
+    def __init__(self, module, args, stop, writer, unplayed=None):
         import envpool
 
         self.module, self.args, self.stop, self.writer = module, args, stop, writer
@@ -242,6 +245,7 @@ class Tester:
         spec = envpool.make_spec(args.env_id, **self.env_kwargs)
         self.act = spaces.make_eval_policy(module, module.make_network(args, spec.action_space), False, args)
         self.queue, self.done = queue.Queue(maxsize=1), threading.Event()
+        self.unplayed, self.lock = dict(sorted((unplayed or {}).items())), threading.Lock()  # iteration -> params
         self.thread = threading.Thread(target=stops_run_on_error(self.work), args=(stop,), name="tester", daemon=True)
         self.thread.start()
 
@@ -252,19 +256,27 @@ class Tester:
 
         last = iteration == self.args.num_iterations
         if iteration % self.args.test_frequency == 0 or last:
-            queue_put(self.queue, (iteration, jax.device_get(unreplicate(params))), self.stop)
+            params = jax.device_get(unreplicate(params))
+            with self.lock:
+                self.unplayed[iteration] = params
+            queue_put(self.queue, iteration, self.stop)
         if last:
             queue_put(self.queue, None, self.stop)
             while not self.done.wait(0.2) and not self.stop.is_set():
                 pass
 
+    def unplayed_tests(self) -> dict:
+        """{iteration: params} of the tests handed over and not yet logged: what a checkpoint keeps."""
+        with self.lock:
+            return dict(self.unplayed)
+
     def work(self, stop):
-        while (item := queue_get(self.queue, stop)) is not None:
-            iteration, params = item
+        resumed = list(self.unplayed)  # the checkpoint's, before any of this run's
+        while (iteration := resumed.pop(0) if resumed else queue_get(self.queue, stop)) is not None:
             games = evaluate(
                 self.module,
                 self.args,
-                params,
+                self.unplayed[iteration],
                 self.args.eval_episodes,
                 interrupted=stop.is_set,
                 act=self.act,
@@ -275,6 +287,8 @@ class Tester:
             step = iteration * self.args.batch_size
             self.writer.add_scalar("test/episodic_return", np.mean(games[0]), step)
             self.writer.add_scalar("test/episodic_length", np.mean(games[1]), step)
+            with self.lock:
+                del self.unplayed[iteration]
             print(f"test at step {step:,}: {summary(games[0])}", flush=True)
         self.done.set()
 

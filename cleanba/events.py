@@ -59,12 +59,13 @@ def merge_event_files(files: list) -> dict:
     from its first step on; its hours continue from the last kept point, so time lost to the stop is not counted."""
     merged = {}
     for first_time, scalars in files:
-        # eval/ curves are indexed by episode, not env step (cleanba/evaluate.py): they say nothing of where a
-        # resume starts, and the final evaluation of a resumed run would otherwise drop every earlier point.
-        starts = [frame.step.min() for tag, frame in scalars.items() if len(frame) and not tag.startswith("eval/")]
-        if not starts:
-            continue
-        merged = {tag: frame[frame.step < min(starts)] for tag, frame in merged.items()}
+        # eval/ curves are indexed by episode, not env step (cleanba/evaluate.py), and a resumed run first logs the
+        # test/ points its checkpoint had not: neither says where a resume starts, and either would drop earlier
+        # points.
+        out_of_step = ("eval/", "test/")
+        starts = [frame.step.min() for tag, frame in scalars.items() if len(frame) and not tag.startswith(out_of_step)]
+        if starts:
+            merged = {tag: frame[frame.step < min(starts)] for tag, frame in merged.items()}
         offset = max((frame.hours.max() for frame in merged.values() if len(frame)), default=0.0)
         for tag, frame in scalars.items():
             frame = frame.assign(hours=offset + (frame.wall_time - first_time) / 3600).drop(columns="wall_time")

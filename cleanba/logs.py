@@ -102,9 +102,9 @@ class IterationLogger:
     """The writer's TensorBoard (and, with --track, wandb) logs: stats/ every iteration; charts/, losses/ and the
     console line every log_frequency iterations. On resume, what the stopped run logged after its checkpoint is
     dropped (purge_step), so the curves continue from there, with the window of the last 20 games the checkpoint
-    saved (episode_window). compile_time, the seconds the learner update took to compile ahead of time, is logged
-    once, as stats/learner_compile_time at the first iteration this process logs. The test curve's Tester
-    (cleanba/evaluate.py, with --test-frequency) is handed each iteration's params."""
+    saved and the tests it had not logged (episode_window). compile_time, the seconds the learner update took to
+    compile ahead of time, is logged once, as stats/learner_compile_time at the first iteration this process logs.
+    The test curve's Tester (cleanba/evaluate.py, with --test-frequency) is handed each iteration's params."""
 
     def __init__(self, args, run_dir: Path, purge_step=None, episode_window=None, compile_time=None):
         if args.track:
@@ -126,9 +126,11 @@ class IterationLogger:
             "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()),
         )
         self.recent_returns, self.recent_lengths = deque(maxlen=20), deque(maxlen=20)
+        self.unplayed_tests = {}  # iteration -> params, for the Tester
         if episode_window is not None:
             self.recent_returns.extend(episode_window["returns"].tolist())
             self.recent_lengths.extend(episode_window["lengths"].tolist())
+            self.unplayed_tests = episode_window.get("tests", {})
         self.window_start, self.window_steps = time.time(), 0
         self.compile_time, self.tester = compile_time, None
 
@@ -150,10 +152,14 @@ class IterationLogger:
             stats["learner_compile_time"], self.compile_time = self.compile_time, None
         for key, value in stats.items():
             writer.add_scalar(f"stats/{key}", value, global_step)
-        if self.tester:
+        if iteration % args.log_frequency == 0 or iteration == args.num_iterations:
+            self.log_curves(iteration, stats, state, metrics)
+        if self.tester:  # last: a stop while the learner waits to hand over a test loses none of these points
             self.tester.test(iteration, state.params)
-        if iteration % args.log_frequency and iteration != args.num_iterations:
-            return
+
+    def log_curves(self, iteration: int, stats: dict, state, metrics):
+        """charts/, losses/ and the console line, every log_frequency iterations."""
+        args, writer, global_step = self.args, self.writer, iteration * self.args.batch_size
         for key, value in jax.device_get(unreplicate(metrics)).items():
             writer.add_scalar(key if "/" in key else f"losses/{key}", float(value), global_step)
         sps = self.window_steps / (time.time() - self.window_start)
@@ -180,8 +186,11 @@ class IterationLogger:
         )
 
     def episode_window(self) -> dict:
-        """The returns and lengths of the last 20 games, oldest first: what a checkpoint saves."""
-        return {"returns": np.array(self.recent_returns), "lengths": np.array(self.recent_lengths)}
+        """What a checkpoint saves of the logs: the returns and lengths of the last 20 games, oldest first, and the
+        test curve's unplayed tests, {"iteration": params} (cleanba/evaluate.py's Tester)."""
+        tests = self.tester.unplayed_tests() if self.tester else {}
+        window = {"returns": np.array(self.recent_returns), "lengths": np.array(self.recent_lengths)}
+        return window | {"tests": {str(iteration): params for iteration, params in tests.items()}}
 
     def close(self):
         self.writer.close()

@@ -13,6 +13,7 @@ import typing
 import flax
 import jax
 import numpy as np
+import pandas as pd
 import pytest
 from support import (
     FAULTY_ENVPOOL,
@@ -27,6 +28,7 @@ from support import (
     start_script,
 )
 
+from cleanba import events
 from cleanba.check_fork import MEMORYLESS_ENVPOOL
 
 # MEMORYLESS_ENVPOOL: a training script run on envs whose observations never change and whose episodes never end
@@ -258,6 +260,42 @@ def test_resume_continues_the_run(script, tmp_path):
     returns = dict(logged["charts/episodic_return"])
     assert returns[saved_iteration * run_args.batch_size] == pytest.approx(np.mean(window["returns"]), rel=1e-6)
     assert f"its last games' returns {window['returns'].tolist()}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_stop_loses_no_test_of_the_test_curve(tmp_path):
+    """SIGTERM while the test curve's games of iteration 2 are played (100,000 of them) and the learner waits to
+    hand over later tests: the checkpoint keeps every test not yet logged, and the resumed run plays them first, with
+    the params of their iterations: its test curve, the straight run's, with no point missing."""
+    args = [*long_args("ppo", 12), "--learning-rate", 0.03, "--exact", "--checkpoint-frequency", 1]
+    args += ["--test-frequency", 2, "--run-name", "stopped"]
+    process = start_script("ppo", [*args, "--eval-episodes", 100_000], tmp_path)
+    for line in process.stdout:  # iteration 5 logged: the learner hands over test 6 while test 4 waits for test 2
+        if line.startswith("step 640/"):
+            break
+    time.sleep(2)
+    stop_and_wait(process, signal.SIGTERM)
+    assert process.returncode == 128 + signal.SIGTERM
+    payload = load_checkpoint_file(tmp_path / "runs" / "stopped" / "checkpoint.msgpack")
+    saved = payload["iteration"]
+    assert saved >= 4 and sorted(payload["episode_window"]["tests"], key=int) == [*map(str, range(2, saved + 1, 2))]
+
+    check_ok(run_script("ppo", [*args, "--eval-episodes", 8, "--resume"], tmp_path))
+    check_ok(run_script("ppo", [*args, "--eval-episodes", 8, "--run-name", "straight"], tmp_path))
+    resumed, straight = (events.read_run(tmp_path / "runs" / name).scalars for name in ["stopped", "straight"])
+    batch = 8 * 16
+    assert straight["test/episodic_return"].step.tolist() == [*range(2 * batch, 12 * batch + 1, 2 * batch)]
+    assert len(set(straight["test/episodic_return"].value)) > 2  # the params change from test to test
+    # The resumed run's envs start afresh (a checkpoint has no env state): its games follow the straight run's only
+    # up to the checkpoint, its iterations all the way.
+    followed = {"test/episodic_return": saved, "charts/episodic_return": saved, "stats/learner_policy_version": 12}
+    for tag, last in followed.items():
+        before = [frame[frame.step <= last * batch][["step", "value"]] for frame in (resumed[tag], straight[tag])]
+        pd.testing.assert_frame_equal(*before)
+    assert resumed["test/episodic_return"].step.tolist() == straight["test/episodic_return"].step.tolist()
+    tensorboard = scalars(tmp_path / "runs" / "stopped")  # TensorBoard's own reading of the resumed run's files
+    test_curve = resumed["test/episodic_return"]
+    assert sorted(tensorboard["test/episodic_return"]) == list(zip(test_curve.step, test_curve.value))
 
 
 def test_logger_starts_from_the_saved_window(tmp_path):
