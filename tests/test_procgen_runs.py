@@ -43,12 +43,19 @@ def test_the_runs_follow_the_protocol(name):
     assert {key: logged[key] for key in SETTINGS[name]} == SETTINGS[name]
 
 
+# The tests that a SIGTERM ended unlogged, in runs whose checkpoints did not yet keep unplayed tests (they do now:
+# tests/test_reliability.py::test_a_stop_loses_no_test_of_the_test_curve).
+LOST = {"impala-1": [384_000], "ppo-1": [393_216]}
+
+
 @pytest.mark.parametrize("name", list(figures.NAMES))
 def test_each_run_tested_on_the_whole_distribution_as_it_trained(name):
-    """A test every ~65k steps (PPO: 4 iterations of 16,384 steps; IMPALA: 25 of 2,560), none missing after resumes."""
+    """A test every ~65k steps (PPO: 4 iterations of 16,384 steps; IMPALA: 25 of 2,560), none missing after resumes
+    but those LOST names."""
     train, test = figures.curves(name)
     every = 65_536 if name == "ppo-1" else 64_000
-    assert test.step.tolist() == list(range(every, test.step.iloc[-1] + 1, every))
+    scheduled = range(every, test.step.iloc[-1] + 1, every)
+    assert test.step.tolist() == [step for step in scheduled if step not in LOST[name]]
     assert train.step.iloc[-1] - test.step.iloc[-1] <= every
 
 
